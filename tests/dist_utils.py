@@ -1,0 +1,65 @@
+"""Helpers for multi-process tests on CPU over gloo.
+
+``run_distributed(fn, world_size, *args)`` starts ``world_size`` processes, initialises a
+gloo process group in each and calls ``fn(rank, world_size, *args)``. ``fn`` must be a
+module-level function (it is pickled into spawned processes). An exception in any rank
+fails the calling test with that rank's traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import tempfile
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        fn(rank, world_size, *args)
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        try:
+            from nxd_lc.distributed import parallel_state
+
+            parallel_state.destroy_model_parallel()
+        except Exception:
+            pass
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None:
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` gloo processes; re-raise failures."""
+    with tempfile.TemporaryDirectory() as err_dir:
+        try:
+            mp.start_processes(
+                _worker, args=(world_size, _free_port(), err_dir, fn, args), nprocs=world_size,
+                join=True, start_method="spawn",
+            )
+        except Exception as e:  # surface the worker's own traceback
+            msgs = []
+            for name in sorted(os.listdir(err_dir)):
+                with open(os.path.join(err_dir, name)) as f:
+                    msgs.append(f"--- {name} ---\n{f.read()}")
+            raise AssertionError("distributed worker failed:\n" + "\n".join(msgs)) from e
