@@ -1,0 +1,487 @@
+"""Sharded checkpoints in NeuronX Distributed's layout, saved atomically across ranks.
+
+Layout (NxD ``neuronx_distributed.trainer.checkpoint``)::
+
+    <ckpt_root>/
+      newest                                   # complete tags, one per line, oldest -> newest
+      <tag>/
+        checkpoint                             # "1": marks the directory as a checkpoint (NxD)
+        model/dp_rank_00_tp_rank_XX_pp_rank_XX.pt   # model shard, written by DP rank 0 only
+        optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt   # optimizer shard (every DP rank under zero1)
+        user_content.pt                        # trainer/user state, written by global rank 0
+        done                                   # completion marker, written last
+
+With xser each shard ``<f>.pt`` is a structure file plus ``<f>.pt.tensors/tensor_<i>.pt``
+(:mod:`nxd_lc.checkpoint.xser`). ``newest`` follows NxD 2.16 (the last line is the newest tag);
+later NxD releases find checkpoints by their ``done`` file instead, which we also write.
+
+Atomicity (our addition; NxD writes in place): every rank writes into the hidden staging
+directory ``<ckpt_root>/.<tag>.partial``; after all ranks agree that their writes succeeded,
+global rank 0 writes ``done`` there and renames the directory to ``<ckpt_root>/<tag>`` (moving an
+older ``<tag>`` aside first and deleting it only after the rename), then rewrites ``newest`` via a
+temporary file and ``os.replace``. Files and directories are fsynced. Hidden (dot) directories
+are never listed, so a crashed save is invisible to :func:`latest_checkpoint`;
+:func:`cleanup_partial` removes its leftovers. The root must be one filesystem visible to all
+ranks (as in NxD). Checkpoint files are pickles: load only checkpoints you trust.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import time
+import uuid
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from nxd_lc.checkpoint.xser import (
+    compact_cpu,
+    fsync_dir,
+    load_structure,
+    load_xser,
+    map_tensors,
+    save_xser,
+    torch_save_file,
+)
+
+logger = logging.getLogger(__name__)
+
+MODEL_DIR = "model"
+OPTIM_DIR = "optim"
+USER_CONTENT_FILE = "user_content.pt"
+DONE_FILE = "done"
+NEWEST_FILE = "newest"
+CHECKPOINT_MARKER = "checkpoint"
+_SHARD_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_PARTIAL_RE = re.compile(r"^\.(?P<tag>.+)\.partial$")
+_TRASH_RE = re.compile(r"^\..+\.trash-[0-9a-f]{32}$")
+_BF16_SOURCE_DTYPES = (torch.float16, torch.float32, torch.float64)
+
+
+def checkpoint_file_name(dp_rank: int, tp_rank: int, pp_rank: int) -> str:
+    """NxD shard file name, e.g. ``(0, 1, 0) -> "dp_rank_00_tp_rank_01_pp_rank_00.pt"``.
+
+    Raises:
+        ValueError: a rank is not a non-negative int.
+    """
+    for name, r in (("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"{name} must be a non-negative int, got {r!r}")
+    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+
+
+def _check_tag(tag: str) -> None:
+    bad = (not isinstance(tag, str) or not tag or tag.startswith(".") or "/" in tag
+           or os.sep in tag or tag == NEWEST_FILE)
+    if bad:
+        raise ValueError(f"checkpoint tag {tag!r} is invalid: use a non-empty name without '/', not "
+                         f"starting with '.' and not {NEWEST_FILE!r} (e.g. 'step_100')")
+
+
+def _staging_dir(ckpt_root: str, tag: str) -> str:
+    return os.path.join(ckpt_root, f".{tag}.partial")
+
+
+def _trash_dir(ckpt_root: str, tag: str) -> str:
+    return os.path.join(ckpt_root, f".{tag}.trash-{uuid.uuid4().hex}")
+
+
+def _barrier() -> None:
+    """Barrier over all ranks: ``collectives.barrier`` when present, else torch.distributed."""
+    try:
+        from nxd_lc.distributed.collectives import barrier
+    except ImportError:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        return
+    barrier()
+
+
+def _all_ranks_ok(ok: bool) -> bool:
+    """Collective over the default group: True iff ``ok`` on every rank (a barrier with a vote).
+
+    gloo votes with a CPU tensor, nccl with one on the current CUDA device. Other backends only
+    get a barrier, so there a rank cannot learn of another rank's failure (documented limit).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    backend = str(dist.get_backend())
+    if "gloo" in backend:
+        device = torch.device("cpu")
+    elif "nccl" in backend:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        _barrier()
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _collective_phase(phase: str, tag: str, fn: Callable[[], None]) -> None:
+    """Run ``fn`` on this rank, then vote; every rank raises if any rank's ``fn`` raised."""
+    err: Exception | None = None
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - re-raised below, once the other ranks have voted
+        err = e
+    all_ok = _all_ranks_ok(err is None)
+    if err is not None:
+        raise err
+    if not all_ok:
+        raise RuntimeError(f"saving checkpoint {tag!r} failed on another rank during {phase} (see that "
+                           f"rank's error); no checkpoint was published and the previous one is intact")
+
+
+def _write_shard(state: Any, path: str, use_xser: bool) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    if use_xser:
+        save_xser(state, path, fsync=True)
+    else:
+        torch_save_file(map_tensors(state, compact_cpu), path, fsync=True)
+        fsync_dir(os.path.dirname(path))
+
+
+def _to_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.bfloat16) if t.dtype in _BF16_SOURCE_DTYPES else t
+
+
+def _step_of(step: int | None, user_content: Any) -> int | None:
+    if step is not None:
+        return int(step)
+    if isinstance(user_content, Mapping):
+        for key in ("global_step", "step"):
+            v = user_content.get(key)
+            if isinstance(v, int) and not isinstance(v, bool):
+                return v
+    return None
+
+
+def _prepare_staging(ckpt_root: str, staging: str) -> None:
+    os.makedirs(ckpt_root, exist_ok=True)
+    if os.path.lexists(staging):  # leftover of a crashed save of the same tag
+        shutil.rmtree(staging)
+    os.mkdir(staging)
+    with open(os.path.join(staging, CHECKPOINT_MARKER), "w") as f:
+        f.write("1")
+    fsync_dir(ckpt_root)
+
+
+def _commit(ckpt_root: str, tag: str, staging: str, step: int | None) -> None:
+    """Rank 0: mark ``staging`` done and publish it as ``<ckpt_root>/<tag>``."""
+    done = {"tag": tag, "step": step, "saved_at": time.time(), "writer": "nxd_lc"}
+    with open(os.path.join(staging, DONE_FILE), "w") as f:
+        json.dump(done, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fsync_dir(staging)
+    final = os.path.join(ckpt_root, tag)
+    trash = None
+    if os.path.lexists(final):  # keep the old copy until the new one is in place
+        trash = _trash_dir(ckpt_root, tag)
+        os.replace(final, trash)
+    try:
+        os.replace(staging, final)
+    except OSError:
+        if trash is not None:  # put the old checkpoint back
+            os.replace(trash, final)
+        raise
+    fsync_dir(ckpt_root)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+    _write_newest(ckpt_root)
+
+
+def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
+                    dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
+                    write_optim: bool, use_xser: bool, save_bf16: bool = False,
+                    step: int | None = None) -> str:
+    """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic.
+
+    Args:
+        ckpt_root: checkpoint directory shared by all ranks (created if missing).
+        tag: checkpoint name (e.g. ``"step_100"``); an existing ``<tag>`` is replaced only once
+            the new one is complete.
+        model_state: this rank's model shard (nested dict of tensors), used when ``write_model``.
+        optim_state: this rank's optimizer state, used when ``write_optim``.
+        user_content: trainer state written by global rank 0 to ``user_content.pt`` (None: skip).
+        dp_rank, tp_rank, pp_rank: this rank's coordinates (file names).
+        is_global_zero: True on exactly one rank, which prepares, commits and updates ``newest``.
+        write_model: write ``model/dp_rank_00_...`` (NxD: DP rank 0 of each TP/PP position).
+        write_optim: write ``optim/dp_rank_<dp>_...`` (every DP rank under zero1, else DP rank 0).
+        use_xser: xser format (``exp_manager.save_xser``) instead of one ``torch.save`` per shard.
+        save_bf16: cast float16/32/64 model tensors to bf16 (``exp_manager.save_bf16``); other
+            dtypes and the optimizer state are saved unchanged.
+        step: training step recorded in ``done`` for ordering; default ``user_content['global_step']``
+            or ``user_content['step']`` when present.
+
+    Returns:
+        The published checkpoint directory ``<ckpt_root>/<tag>``.
+
+    Raises:
+        ValueError: invalid tag/ranks, missing state for a requested write, or a model write
+            requested on a DP rank other than 0.
+        RuntimeError: the save failed on another rank (this rank re-raises its own error).
+    """
+    _check_tag(tag)
+    checkpoint_file_name(dp_rank, tp_rank, pp_rank)
+    if write_model and model_state is None:
+        raise ValueError("save_checkpoint: write_model=True but model_state is None")
+    if write_optim and optim_state is None:
+        raise ValueError("save_checkpoint: write_optim=True but optim_state is None")
+    if write_model and dp_rank != 0:
+        raise ValueError(f"save_checkpoint: model shards are written by DP rank 0 only (NxD layout), got "
+                         f"write_model=True on dp_rank={dp_rank}; pass write_model=(dp_rank == 0)")
+    staging = _staging_dir(ckpt_root, tag)
+
+    def write_files() -> None:
+        if write_model:
+            state = map_tensors(model_state, _to_bf16) if save_bf16 else model_state
+            path = os.path.join(staging, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
+            _write_shard(state, path, use_xser)
+        if write_optim:
+            path = os.path.join(staging, OPTIM_DIR, checkpoint_file_name(dp_rank, tp_rank, pp_rank))
+            _write_shard(optim_state, path, use_xser)
+        if is_global_zero and user_content is not None:
+            torch_save_file(user_content, os.path.join(staging, USER_CONTENT_FILE), fsync=True)
+
+    def noop() -> None:
+        return None
+
+    _collective_phase("preparation", tag, (lambda: _prepare_staging(ckpt_root, staging))
+                      if is_global_zero else noop)
+    try:
+        _collective_phase("shard writing", tag, write_files)
+        _collective_phase("commit", tag, (lambda: _commit(ckpt_root, tag, staging, _step_of(step, user_content)))
+                          if is_global_zero else noop)
+    except Exception:
+        if is_global_zero and not is_complete(staging):  # a complete one is kept for cleanup_partial
+            shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return os.path.join(ckpt_root, tag)
+
+
+def is_complete(path: str) -> bool:
+    """True iff checkpoint directory ``path`` (``<ckpt_root>/<tag>``) has its ``done`` marker."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, DONE_FILE))
+
+
+def _done_record(tag_dir: str) -> tuple[int | None, float]:
+    """(step, save time) from ``done``; NxD's plain "1" marker gives (None, file mtime)."""
+    done = os.path.join(tag_dir, DONE_FILE)
+    try:
+        with open(done) as f:
+            rec = json.load(f)
+        step = rec.get("step") if isinstance(rec, dict) else None
+        saved_at = rec.get("saved_at") if isinstance(rec, dict) else None
+    except (ValueError, OSError):
+        step, saved_at = None, None
+    step = step if isinstance(step, int) and not isinstance(step, bool) else None
+    return step, float(saved_at) if isinstance(saved_at, (int, float)) else os.path.getmtime(done)
+
+
+def list_checkpoints(ckpt_root: str) -> list[str]:
+    """Complete checkpoint tags in ``ckpt_root``, oldest -> newest.
+
+    Only visible directories with a ``done`` marker count (staging/trash dirs start with '.').
+    Order: by the step recorded in ``done`` (then save time, then tag) when every listed
+    checkpoint recorded a step; otherwise (e.g. checkpoints written by NxD) by save time (the
+    ``done`` record's time, else its file mtime). A missing ``ckpt_root`` gives ``[]``.
+    """
+    if not os.path.isdir(ckpt_root):
+        return []
+    records = []
+    for name in os.listdir(ckpt_root):
+        path = os.path.join(ckpt_root, name)
+        if not name.startswith(".") and is_complete(path):
+            step, saved_at = _done_record(path)
+            records.append((step, saved_at, name))
+    if all(step is not None for step, _, _ in records):
+        records.sort(key=lambda r: (r[0], r[1], r[2]))
+    else:
+        records.sort(key=lambda r: (r[1], r[2]))
+    return [name for _, _, name in records]
+
+
+def latest_checkpoint(ckpt_root: str) -> str | None:
+    """Tag of the newest complete checkpoint (last of :func:`list_checkpoints`), or None."""
+    tags = list_checkpoints(ckpt_root)
+    return tags[-1] if tags else None
+
+
+def _write_newest(ckpt_root: str) -> None:
+    """Atomically rewrite ``<ckpt_root>/newest`` with the complete tags, newest last."""
+    tags = list_checkpoints(ckpt_root)
+    newest = os.path.join(ckpt_root, NEWEST_FILE)
+    if not tags:
+        if os.path.isfile(newest):
+            os.remove(newest)
+        return
+    tmp = os.path.join(ckpt_root, f".{NEWEST_FILE}.tmp-{uuid.uuid4().hex}")
+    with open(tmp, "w") as f:
+        f.write("".join(f"{t}\n" for t in tags))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, newest)
+    fsync_dir(ckpt_root)
+
+
+def remove_checkpoint(ckpt_root: str, tag: str) -> None:
+    """Delete checkpoint ``<ckpt_root>/<tag>`` (call on global rank 0 only).
+
+    The directory is first renamed to a hidden trash directory (atomic: it disappears from
+    :func:`list_checkpoints` at once), ``newest`` is rewritten, then the trash is deleted.
+
+    Raises:
+        FileNotFoundError: no such checkpoint directory.
+        ValueError: invalid tag.
+    """
+    _check_tag(tag)
+    final = os.path.join(ckpt_root, tag)
+    if not os.path.isdir(final):
+        raise FileNotFoundError(f"cannot remove checkpoint {final!r}: no such directory")
+    trash = _trash_dir(ckpt_root, tag)
+    os.replace(final, trash)
+    fsync_dir(ckpt_root)
+    _write_newest(ckpt_root)
+    shutil.rmtree(trash)
+
+
+def cleanup_partial(ckpt_root: str) -> list[str]:
+    """Remove leftovers of crashed saves/removals in ``ckpt_root`` (global rank 0, no save running).
+
+    Deletes hidden staging directories ``.<tag>.partial``, trash directories and temporary
+    ``newest`` files. Exception: a staging directory that already has ``done`` (the save crashed
+    between moving the old ``<tag>`` aside and publishing the new one) is complete and is
+    published as ``<tag>`` if no ``<tag>`` exists, instead of being deleted.
+
+    Returns:
+        Names of the entries deleted (sorted). A missing ``ckpt_root`` gives ``[]``.
+    """
+    if not os.path.isdir(ckpt_root):
+        return []
+    removed, promoted = [], False
+    for name in sorted(os.listdir(ckpt_root)):
+        path = os.path.join(ckpt_root, name)
+        m = _PARTIAL_RE.match(name)
+        final = os.path.join(ckpt_root, m.group("tag")) if m else ""
+        if m and is_complete(path) and not os.path.lexists(final):
+            os.replace(path, final)
+            logger.warning("published complete staged checkpoint %s as %s", path, final)
+            promoted = True
+        elif m or _TRASH_RE.match(name):
+            if os.path.isdir(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
+            removed.append(name)
+        elif name.startswith(f".{NEWEST_FILE}.tmp-"):
+            os.remove(path)
+            removed.append(name)
+    fsync_dir(ckpt_root)
+    if promoted:
+        _write_newest(ckpt_root)
+    return removed
+
+
+def _ranks_found(folder: str) -> tuple[set[int], set[int], set[int]]:
+    dps: set[int] = set()
+    tps: set[int] = set()
+    pps: set[int] = set()
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            m = _SHARD_RE.match(name)
+            if m:
+                dps.add(int(m.group(1)))
+                tps.add(int(m.group(2)))
+                pps.add(int(m.group(3)))
+    return dps, tps, pps
+
+
+def _missing_shard_error(path: str, tag_dir: str) -> FileNotFoundError:
+    _, tps, pps = _ranks_found(os.path.join(tag_dir, MODEL_DIR))
+    dps, _, _ = _ranks_found(os.path.join(tag_dir, OPTIM_DIR))
+    found = (f"model shards for TP size {max(tps) + 1}, PP size {max(pps) + 1}" if tps
+             else "no model shards")
+    found += f"; optimizer shards for DP size {max(dps) + 1}" if dps else "; no optimizer shards"
+    return FileNotFoundError(
+        f"checkpoint shard {path!r} is missing: the checkpoint is incomplete or was saved with a "
+        f"different TP/PP size ({tag_dir!r} has {found}). Load it with the parallel sizes it was "
+        f"saved with.")
+
+
+def _detect_xser(tag_dir: str, use_xser: bool | None) -> bool:
+    detected = False
+    for sub in (MODEL_DIR, OPTIM_DIR):
+        folder = os.path.join(tag_dir, sub)
+        if os.path.isdir(folder) and any(n.endswith(".tensors") for n in os.listdir(folder)):
+            detected = True
+    if use_xser is not None and use_xser != detected:
+        warnings.warn(f"use_xser={use_xser} but checkpoint {tag_dir!r} is "
+                      f"{'xser' if detected else 'plain torch.save'}; loading it in the detected format",
+                      stacklevel=3)
+    return detected
+
+
+def _read_shard(path: str, tag_dir: str, use_xser: bool) -> Any:
+    if not os.path.isfile(path):
+        raise _missing_shard_error(path, tag_dir)
+    return load_xser(path) if use_xser else load_structure(path)
+
+
+def _optim_path(tag_dir: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
+    """Own DP rank's optimizer file; DP rank 0's when the optimizer was saved unsharded (no zero1)."""
+    folder = os.path.join(tag_dir, OPTIM_DIR)
+    own = os.path.join(folder, checkpoint_file_name(dp_rank, tp_rank, pp_rank))
+    dps, _, _ = _ranks_found(folder)
+    if os.path.isfile(own) or dps - {0}:
+        return own
+    return os.path.join(folder, checkpoint_file_name(0, tp_rank, pp_rank))
+
+
+def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
+                    load_optim: bool = True, use_xser: bool | None = None) -> tuple[Any, Any, Any]:
+    """Load this rank's shards of ``<ckpt_root>/<tag>`` (CPU tensors).
+
+    Args:
+        ckpt_root, tag: the checkpoint directory is ``<ckpt_root>/<tag>``.
+        dp_rank, tp_rank, pp_rank: this rank's coordinates. The model shard is read from DP rank
+            0's file; the optimizer from this DP rank's file, or DP rank 0's when the checkpoint
+            holds only DP rank 0 optimizer files (saved without zero1).
+        load_optim: read the optimizer shard (else ``None`` is returned for it).
+        use_xser: expected format; ``None`` auto-detects (``*.tensors`` dirs). The detected format
+            is always used; a mismatch with an explicit value only warns.
+
+    Returns:
+        ``(model_state, optim_state or None, user_content or None)``.
+
+    Raises:
+        FileNotFoundError: the checkpoint is missing or has no ``done`` marker, or a shard file is
+            missing (message gives the TP/PP/DP sizes found in the directory).
+    """
+    _check_tag(tag)
+    tag_dir = os.path.join(ckpt_root, tag)
+    if not os.path.isdir(tag_dir):
+        raise FileNotFoundError(f"checkpoint {tag_dir!r} does not exist; complete checkpoints in "
+                                f"{ckpt_root!r}: {list_checkpoints(ckpt_root)}")
+    if not is_complete(tag_dir):
+        raise FileNotFoundError(
+            f"checkpoint {tag_dir!r} has no '{DONE_FILE}' marker: it is incomplete (its save was "
+            f"interrupted). If it was written by an NxD release without markers and you know it is "
+            f"complete, create the empty file {os.path.join(tag_dir, DONE_FILE)!r}")
+    xser = _detect_xser(tag_dir, use_xser)
+    model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
+    model_state = _read_shard(model_path, tag_dir, xser)
+    optim_state = None
+    if load_optim:
+        optim_state = _read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir, xser)
+    uc_path = os.path.join(tag_dir, USER_CONTENT_FILE)
+    user_content = load_structure(uc_path) if os.path.isfile(uc_path) else None
+    return model_state, optim_state, user_content

@@ -1,0 +1,274 @@
+"""xser: torch-xla's "one file per tensor" serialization, readable and writable without torch-xla.
+
+Format (torch_xla.utils.serialization, also what NeuronX Distributed writes with ``use_xser``):
+
+* ``<path>`` is a ``torch.save`` of the saved structure in which every tensor is replaced by a
+  reference object holding an integer id ``tid``;
+* ``<path>.tensors/tensor_<tid>.pt`` is a ``torch.save`` of that one CPU tensor.
+
+Loading reads the structure, then each referenced tensor file, and returns CPU tensors (or
+tensors on ``map_location``). Saving one tensor per file keeps peak host memory at one tensor and
+lets many ranks write in parallel.
+
+Our reference class is pickled as ``nxd_lc.checkpoint.xser.TensorReference``. Files written by
+torch-xla itself pickle ``torch_xla.utils.serialization.TensorReference`` (and NxD may leave
+``neuronx_distributed.trainer.checkpoint._InternalTensorReference`` in non-dict containers);
+:func:`load_xser` maps those class names onto ours with a custom unpickler, so torch-xla does not
+need to be installed. Note the converse does not hold: torch-xla's ``load`` checks the reference
+type exactly, so files written here are read back by :func:`load_xser` only.
+
+The structure file is a full pickle (``weights_only=False``): load only checkpoints you trust,
+exactly as with NxD/torch-xla. Tensor files are loaded with ``weights_only=True``.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+import shutil
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = [
+    "TensorReference",
+    "compact_cpu",
+    "fsync_dir",
+    "load_structure",
+    "load_xser",
+    "map_tensors",
+    "save_xser",
+    "tensor_file",
+    "tensors_dir",
+    "torch_save_file",
+]
+
+# (module, qualname) pairs written by other xser producers, loaded as our TensorReference.
+_FOREIGN_REFERENCE_CLASSES = {
+    ("torch_xla.utils.serialization", "TensorReference"),
+    ("neuronx_distributed.trainer.checkpoint", "_InternalTensorReference"),
+}
+
+
+class TensorReference:
+    """Placeholder for a tensor in an xser structure file.
+
+    Attributes:
+        tid: integer id; the tensor lives in ``<path>.tensors/tensor_<tid>.pt``.
+
+    Instances carry only ``__dict__`` state (no ``__slots__``) so that a pickled torch-xla
+    ``TensorReference`` (state ``{"tid": i}``) unpickles into this class unchanged.
+    """
+
+    def __init__(self, tid: int) -> None:
+        self.tid = tid
+
+    def __repr__(self) -> str:
+        return f"TensorReference(tid={self.tid})"
+
+
+class _XserUnpickler(pickle.Unpickler):
+    """Unpickler that resolves foreign xser reference classes to :class:`TensorReference`."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _FOREIGN_REFERENCE_CLASSES:
+            return TensorReference
+        return super().find_class(module, name)
+
+
+def _pickle_load(file: Any, **kwargs: Any) -> Any:
+    return _XserUnpickler(file, **kwargs).load()
+
+
+# torch.load(pickle_module=...) needs a module-like object with ``Unpickler`` (zip format) and
+# ``load`` (legacy format); everything else falls through to the standard pickle module.
+_xser_pickle_module = types.ModuleType("nxd_lc_xser_pickle")
+_xser_pickle_module.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
+_xser_pickle_module.Unpickler = _XserUnpickler  # type: ignore[attr-defined]
+_xser_pickle_module.load = _pickle_load  # type: ignore[attr-defined]
+
+
+def tensors_dir(path: str) -> str:
+    """Return the tensor directory of xser structure file ``path``: ``<path>.tensors``."""
+    return path + ".tensors"
+
+
+def tensor_file(path: str, tid: int) -> str:
+    """Return the file of tensor ``tid`` of xser structure file ``path``."""
+    return os.path.join(tensors_dir(path), f"tensor_{tid}.pt")
+
+
+def fsync_dir(path: str) -> None:
+    """fsync directory ``path`` so that renames/creations inside it are durable.
+
+    Filesystems that cannot fsync a directory (some network filesystems raise EINVAL) are
+    tolerated: the call is then a no-op.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def torch_save_file(obj: Any, path: str, fsync: bool) -> None:
+    """``torch.save(obj)`` into ``path``, flushing and fsyncing the file when ``fsync``."""
+    with open(path, "wb") as f:
+        torch.save(obj, f)
+        if fsync:
+            f.flush()
+            os.fsync(f.fileno())
+
+
+def compact_cpu(t: torch.Tensor) -> torch.Tensor:
+    """Return ``t`` detached, on CPU, contiguous and owning exactly its own storage.
+
+    Views (``storage_offset != 0`` or a storage larger than the view), non-contiguous tensors and
+    tensors with lazy conjugate/negative bits are cloned, so that ``torch.save`` writes only the
+    tensor's own ``numel * element_size`` bytes. dtype and shape are preserved; ``nn.Parameter``
+    becomes a plain tensor (``requires_grad`` is not saved). Non-strided layouts (sparse) are only
+    detached and moved to CPU.
+    """
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if t.layout != torch.strided:
+        return t
+    t = t.resolve_conj().resolve_neg()
+    own_bytes = t.numel() * t.element_size()
+    if (not t.is_contiguous() or t.storage_offset() != 0
+            or t.untyped_storage().nbytes() != own_bytes):
+        t = t.clone(memory_format=torch.contiguous_format)
+    return t
+
+
+def _transform(obj: Any, is_leaf: Callable[[Any], bool], key: Callable[[Any], Any],
+               fn: Callable[[Any], Any]) -> Any:
+    """Copy nested dict/list/tuple ``obj``, replacing leaves by ``fn(leaf)`` memoized on ``key``."""
+    memo: dict[Any, Any] = {}
+
+    def walk(x: Any) -> Any:
+        if is_leaf(x):
+            k = key(x)
+            if k not in memo:
+                memo[k] = fn(x)
+            return memo[k]
+        if isinstance(x, dict):
+            out = copy.copy(x)
+            for k, v in x.items():
+                out[k] = walk(v)
+            return out
+        if isinstance(x, list):
+            return [walk(v) for v in x]
+        if isinstance(x, tuple):
+            items = [walk(v) for v in x]
+            return type(x)(*items) if hasattr(x, "_fields") else type(x)(items)
+        return x
+
+    return walk(obj)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """Return a copy of the nested structure ``obj`` with every tensor ``t`` replaced by ``fn(t)``.
+
+    Containers walked: ``dict`` and subclasses (``OrderedDict``, ``defaultdict``: the type and
+    ``default_factory`` are kept), ``list``, ``tuple`` and named tuples. Other objects (including
+    tensors inside sets or custom classes) are returned as they are. ``fn`` is called once per
+    distinct tensor object, so a tensor referenced twice maps to one result object (tied weights
+    stay tied). ``obj`` itself is not modified.
+    """
+    return _transform(obj, lambda x: isinstance(x, torch.Tensor), id, fn)
+
+
+def save_xser(obj: Any, path: str, *, fsync: bool = False) -> None:
+    """Save the nested structure ``obj`` in xser format at ``path``.
+
+    Args:
+        obj: nested dict/list/tuple of tensors (any device, dtype, layout) and picklable values.
+        path: structure file; tensors go to ``<path>.tensors/tensor_<i>.pt`` (an existing
+            ``<path>.tensors`` directory is replaced).
+        fsync: fsync every file and the directories written (for durable checkpoints).
+
+    Each distinct tensor object is written once, as :func:`compact_cpu` of it (views and
+    non-contiguous tensors become compact contiguous clones), and all references to it share one
+    id. Tensors are written before the structure file. The save is not atomic by itself: crash
+    safety comes from the staging directory in :mod:`nxd_lc.checkpoint.sharded`.
+
+    Raises:
+        FileNotFoundError: the parent directory of ``path`` does not exist.
+    """
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(f"xser save: directory {parent!r} for {path!r} does not exist; create it first")
+    folder = tensors_dir(path)
+    if os.path.isdir(folder):
+        shutil.rmtree(folder)
+    os.mkdir(folder)
+    tensors: list[torch.Tensor] = []
+
+    def to_ref(t: torch.Tensor) -> TensorReference:
+        tensors.append(t)
+        return TensorReference(len(tensors) - 1)
+
+    ref_obj = map_tensors(obj, to_ref)
+    for tid, t in enumerate(tensors):
+        torch_save_file(compact_cpu(t), tensor_file(path, tid), fsync)
+    torch_save_file(ref_obj, path, fsync)
+    if fsync:
+        fsync_dir(folder)
+        fsync_dir(parent)
+
+
+def _load_tensor(path: str, tid: int, map_location: Any) -> torch.Tensor:
+    fname = tensor_file(path, tid)
+    if not os.path.isfile(fname):
+        raise FileNotFoundError(
+            f"xser tensor file {fname!r} referenced by {path!r} is missing: the checkpoint is "
+            f"incomplete or {path!r} was copied without its '.tensors' directory")
+    return torch.load(fname, map_location=map_location, weights_only=True)
+
+
+def _resolve_refs(obj: Any, load: Callable[[int], torch.Tensor]) -> Any:
+    """Replace every TensorReference in ``obj`` by ``load(tid)``; equal ids give one tensor."""
+    return _transform(obj, lambda x: isinstance(x, TensorReference), lambda r: r.tid,
+                      lambda r: load(r.tid))
+
+
+def load_structure(path: str) -> Any:
+    """Unpickle a torch.save'd file at ``path`` with xser reference classes mapped to ours.
+
+    Works for xser structure files (returns :class:`TensorReference` placeholders) and for plain
+    ``torch.save`` files (returns CPU tensors). Full pickle: load only trusted files.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
+    return torch.load(path, map_location="cpu", pickle_module=_xser_pickle_module, weights_only=False)
+
+
+def load_xser(path: str, map_location: Any = "cpu") -> Any:
+    """Load a structure saved by :func:`save_xser`, torch-xla's ``xser.save`` or NxD's xser save.
+
+    Args:
+        path: the structure file (its tensors are under ``<path>.tensors/``).
+        map_location: passed to ``torch.load`` for every tensor file (default CPU).
+
+    Returns:
+        The structure with each reference replaced by its tensor; references with the same id
+        resolve to the same tensor object. dtype and shape are as saved.
+
+    Raises:
+        FileNotFoundError: ``path`` or a referenced tensor file is missing (message names it).
+    """
+    ref_obj = load_structure(path)
+    return _resolve_refs(ref_obj, lambda tid: _load_tensor(path, tid, map_location))

@@ -1,0 +1,217 @@
+"""Typed configuration schema for nxd_lc (NxDT-compatible key tree).
+
+Every section of a Hydra YAML (``trainer``, ``exp_manager``, ``distributed_strategy``, ``data``, ``model``,
+``precision`` and NxDT's top-level runtime keys) is a dataclass here, registered in Hydra's ConfigStore under
+``nxd_lc_schema``. Defaults live on the fields; the comment after each field is its one-line doc (the dry run
+prints it). Library code receives these typed objects, never a raw ``DictConfig``.
+
+Keys NxDT accepts but whose feature lands in a later issue are present so NxDT files load; validation rejects a
+non-default value with ``not supported yet: <key>`` before anything is built (see ``validate.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, List, Optional
+
+from hydra.core.config_store import ConfigStore
+
+
+@dataclass
+class TrainerConfig:
+    """``trainer:`` — Lightning Trainer settings (NxDT names)."""
+
+    devices: int = 1  # processes per node (torchrun --nproc_per_node)
+    num_nodes: int = 1  # number of nodes; world size = devices * num_nodes
+    accelerator: str = "auto"  # auto | cpu | gpu (xla and neuron come with the Trainium issue)
+    max_epochs: int = -1  # -1 = unlimited; training stops at max_steps
+    max_steps: int = 1000  # number of optimizer steps
+    log_every_n_steps: int = 10  # metrics are logged every N optimizer steps
+    val_check_interval: Any = 1.0  # int = every N micro-batches of training, float = fraction of an epoch
+    check_val_every_n_epoch: Optional[int] = None  # None = validate on val_check_interval only
+    num_sanity_val_steps: int = 0  # validation batches run before training
+    limit_val_batches: Any = 1.0  # int = number of validation batches, float = fraction; 0 disables validation
+    limit_test_batches: Any = 0.0  # int or fraction of test batches
+    gradient_clip_val: Optional[float] = None  # clip the global (TP/DP-aware) gradient 2-norm to this value
+    enable_progress_bar: bool = True  # show Lightning's progress bar on rank 0
+    lnc: Optional[int] = None  # Trainium2 logical NeuronCore config (Trainium issue)
+    sequential_move_factor: Optional[int] = None  # Trainium2: ranks that move the model to device at a time
+
+
+@dataclass
+class CheckpointCallbackParams:
+    """``exp_manager.checkpoint_callback_params:`` — Lightning ModelCheckpoint settings."""
+
+    monitor: Optional[str] = "step"  # logged metric that ranks checkpoints for save_top_k
+    save_top_k: int = 1  # keep the best k checkpoints by monitor (-1 = all)
+    mode: str = "max"  # max | min for monitor
+    save_last: bool = False  # also keep a checkpoint tagged 'last'
+    filename: str = "{step}-{consumed_samples}"  # tag pattern; {step} and {consumed_samples} are filled in
+    model_parallel_size: Optional[int] = None  # informational in NxDT; must equal TP * PP when set
+    every_n_train_steps: Optional[int] = None  # save every N optimizer steps
+    use_master_weights_in_ckpt: bool = False  # save fp32 master weights instead of params (precision issue)
+
+
+@dataclass
+class ExpManagerConfig:
+    """``exp_manager:`` — logging directories, checkpointing and resume."""
+
+    log_local_rank_0_only: bool = True  # only local rank 0 writes the text log file
+    create_tensorboard_logger: bool = True  # write TensorBoard event files under the log dir
+    explicit_log_dir: Optional[str] = None  # log dir used as is (overrides exp_dir/name)
+    exp_dir: Optional[str] = None  # base dir; log dir = exp_dir/name (default ./nxd_lc_runs)
+    name: str = "default"  # experiment name, a sub-directory of exp_dir
+    resume_if_exists: bool = True  # resume from the newest complete checkpoint in the log dir
+    resume_ignore_no_checkpoint: bool = True  # with resume_if_exists: start fresh when none exists (else error)
+    create_checkpoint_callback: bool = True  # save checkpoints
+    checkpoint_callback_params: CheckpointCallbackParams = field(default_factory=CheckpointCallbackParams)
+    log_parameter_norm: bool = False  # log the global parameter 2-norm
+    log_gradient_norm: bool = False  # log the global gradient 2-norm (before clipping)
+    enable_recovery_time_instrumentation: bool = False  # NxDT key; not supported yet when true
+    save_xser: bool = True  # write model/optim shards in xser format (one file per tensor)
+    load_xser: bool = True  # read xser shards (auto-detected per checkpoint when false/true mismatch)
+    save_bf16: bool = False  # cast floating model weights to bf16 in the saved checkpoint
+    async_checkpointing: bool = False  # save in a background thread (not supported yet when true)
+    resume_from_checkpoint: Optional[str] = None  # explicit checkpoint dir (<root>/<tag>) to resume from
+
+
+@dataclass
+class DistributedStrategyConfig:
+    """``distributed_strategy:`` — parallel layout; rank order is NxD's [PP, DP, CP, TP]."""
+
+    tensor_model_parallel_size: int = 1  # TP degree
+    pipeline_model_parallel_size: int = 1  # PP degree (pipeline issue; must be 1 now)
+    virtual_pipeline_model_parallel_size: int = 1  # interleaved PP chunks (must be 1 now)
+    context_parallel_size: int = 1  # CP degree (long-context issue; must be 1 now)
+    zero1: bool = False  # shard optimizer state over DP (precision/optimizer issue)
+    sequence_parallel: bool = False  # split activations outside the TP region along the sequence
+    kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
+
+
+@dataclass
+class TokenizerConfig:
+    """``data.tokenizer:`` — where the tokenizer comes from."""
+
+    type: Optional[str] = None  # path to an HF tokenizer dir, or 'bytelevel_bpe' to train one on the corpus
+    vocab_size: int = 8192  # vocab size when training a byte-level BPE
+    train_max_bytes: int = 16_000_000  # corpus bytes used to train the BPE (first files in sorted order)
+    cache_dir: Optional[str] = None  # where trained tokenizers / tokenized corpora are cached (./.cache/nxd_lc)
+
+
+@dataclass
+class DataConfig:
+    """``data:`` — batch sizes and the pretraining corpus."""
+
+    micro_batch_size: int = 1  # sequences per rank per forward pass
+    global_batch_size: int = 1  # sequences per optimizer step over all DP ranks (sets grad accumulation)
+    train_dir: Optional[str] = None  # dir/glob of text files, a .jsonl file, or a datasets save_to_disk dir
+    val_dir: Optional[str] = None  # same kinds as train_dir; None = held-out split of the train corpus
+    builtin_corpus: Optional[str] = None  # 'python_stdlib': this interpreter's stdlib sources (no download)
+    val_fraction: float = 0.05  # share of files held out for validation when val_dir is None
+    file_glob: str = "**/*"  # pattern applied inside a train_dir/val_dir directory of text files
+    text_key: str = "text"  # jsonl / datasets column holding the document text
+    seq_length: Optional[int] = None  # tokens per sequence; defaults to model.encoder_seq_length
+    num_workers: int = 0  # DataLoader worker processes
+    shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+
+@dataclass
+class FusionsConfig:
+    """``model.fusions:`` — kernel choices."""
+
+    softmax: bool = True  # NEURON_FUSE_SOFTMAX on Neuron; CPU/CUDA use torch's softmax either way
+    flash_attention: bool = True  # True: SDPA flash path (NKI on Trainium); False: eager softmax(QK^T) attention
+
+
+@dataclass
+class SchedConfig:
+    """``model.optim.sched:`` — learning-rate schedule (NeMo names)."""
+
+    name: str = "LinearAnnealingWithWarmUp"  # LinearAnnealingWithWarmUp | CosineAnnealing | Constant
+    warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
+    max_steps: Optional[int] = None  # schedule length; usually ${trainer.max_steps}
+    constant_steps: int = 0  # CosineAnnealing: steps held at lr after warm-up
+    min_lr: float = 0.0  # floor of the annealed learning rate
+
+
+@dataclass
+class OptimConfig:
+    """``model.optim:`` — optimizer (NeMo names) and its schedule."""
+
+    name: str = "adamw"  # adamw | adamw_fp32OptState | adam | sgd (more in the optimizer issue)
+    lr: float = 1e-4  # peak learning rate
+    weight_decay: float = 0.0  # decoupled (adamw) or L2 (adam/sgd) weight decay
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam betas
+    eps: float = 1e-8  # Adam epsilon
+    momentum: float = 0.0  # SGD momentum
+    capturable: bool = False  # torch.optim capturable flag (CUDA graphs / XLA)
+    sched: SchedConfig = field(default_factory=SchedConfig)
+
+
+@dataclass
+class ModelConfig:
+    """``model:`` — the decoder, built from an HF config.json with NxDT's YAML overrides."""
+
+    model_config: Optional[str] = None  # path to an HF config.json (Llama family)
+    hf_weights_dir: Optional[str] = None  # HF safetensors dir loaded before training, each rank reading its TP shard
+    encoder_seq_length: Optional[int] = None  # training sequence length (overrides nothing in config.json)
+    max_position_embeddings: Optional[int] = None  # overrides config.json max_position_embeddings
+    num_layers: Optional[int] = None  # overrides config.json num_hidden_layers
+    hidden_size: Optional[int] = None  # overrides config.json hidden_size
+    rope_theta: Optional[float] = None  # overrides config.json rope_theta
+    qkv_linear: bool = True  # use GQAQKVColumnParallelLinear (needed when KV heads < TP)
+    fuse_qkv: bool = True  # one fused [q+2kv, hidden] QKV weight
+    use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
+    activations_checkpoint_granularity: Optional[str] = None  # null (full/selective: long-context issue)
+    activations_checkpoint_recompute: Optional[List[str]] = None  # modules recomputed with 'selective'
+    fusions: FusionsConfig = field(default_factory=FusionsConfig)
+    do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
+    optim: OptimConfig = field(default_factory=OptimConfig)
+
+
+@dataclass
+class PrecisionConfig:
+    """``precision:`` — numeric mode (only fp32 now; the precision issue adds the rest)."""
+
+    type: str = "fp32"  # bf16SR | fp32 | autocast | mixed_precision | mixed_precisionSR | manual
+    master_weights: bool = False  # manual: fp32 master weights in the optimizer
+    fp32_grad_acc: bool = False  # manual: fp32 gradient accumulation buffers
+    xla_use_bf16: str = "0"  # manual: XLA_USE_BF16
+    xla_downcast_bf16: str = "0"  # manual: XLA_DOWNCAST_BF16
+    neuron_rt_stochastic_rounding_en: str = "0"  # manual: NEURON_RT_STOCHASTIC_ROUNDING_EN
+    parallel_layers_reduce_dtype: Optional[str] = None  # dtype of TP/SP collectives (fp32 | bf16)
+
+
+@dataclass
+class NxdConfig:
+    """The whole run: NxDT's sections plus its top-level runtime keys."""
+
+    name: str = "nxd_lc"  # run name
+    model_source: str = "hf"  # hf | megatron (megatron: not supported yet)
+    seed: int = 1234  # seeds weights init, data shuffling and dropout
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)
+    distributed_strategy: DistributedStrategyConfig = field(default_factory=DistributedStrategyConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    compiler_flags: str = ""  # appended to NEURON_CC_FLAGS
+    compiler_cache_url: str = "./compiler_cache"  # NEURON_COMPILE_CACHE_URL
+    async_exec_max_inflight_requests: Optional[int] = None  # NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS
+    bucket_size_collectives: Optional[int] = None  # BUCKET_CAP_MB: gradient all-reduce bucket size (MiB)
+    neuron_rt_exec_timeout: Optional[int] = None  # NEURON_RT_EXEC_TIMEOUT (seconds)
+    neuron_experimental_compress_rg: Optional[bool] = None  # NEURON_EXPERIMENTAL_COMPRESS_RG
+    dry_run: bool = False  # validate the config, print it with the effective environment, and exit
+
+
+#: Accepted spellings that map to a canonical key, as (dotted alias, dotted canonical key).
+KEY_ALIASES: tuple[tuple[str, str], ...] = (
+    ("aync_exec_max_inflight_requests", "async_exec_max_inflight_requests"),  # NxDT's own misspelling
+)
+
+
+def register_configs() -> None:
+    """Register the schema in Hydra's ConfigStore as ``nxd_lc_schema`` (usable in a defaults list)."""
+    cs = ConfigStore.instance()
+    cs.store(name="nxd_lc_schema", node=NxdConfig)

@@ -1,0 +1,406 @@
+"""Turn a raw Hydra/OmegaConf config into a validated :class:`NxdConfig`.
+
+All problems are collected and raised together in one :class:`ConfigError` (a ``ValueError``), each line naming
+the dotted key and the fix. Order of checks: interpolation -> key aliases -> unknown keys ("did you mean") ->
+per-key types -> cross-field rules. Features that are accepted by the schema but land in a later issue are
+reported by :func:`unsupported_features` ("not supported yet: <key>"), which the trainer raises at launch and the
+dry run prints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import logging
+import os
+from typing import Any, Mapping
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from nxd_lc.config.resolvers import register_resolvers
+from nxd_lc.config.schema import KEY_ALIASES, NxdConfig
+
+log = logging.getLogger(__name__)
+
+PRECISION_TYPES = ("bf16SR", "fp32", "autocast", "mixed_precision", "mixed_precisionSR", "manual")
+PRECISION_ALIASES = {"mixed_precision_SR": "mixed_precisionSR"}  # NxDT spells it both ways
+OPTIMIZERS = ("adamw", "adamw_fp32OptState", "adam", "sgd", "adadelta", "adamax", "adagrad", "rmsprop",
+              "rprop", "novograd", "adafactor")
+IMPLEMENTED_OPTIMIZERS = ("adamw", "adamw_fp32OptState", "adam", "sgd")
+SCHEDULERS = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant", "WarmupPolicy", "WarmupHoldPolicy",
+              "SquareAnnealing", "NoamAnnealing", "WarmupAnnealing", "StepLR", "ExponentialLR")
+IMPLEMENTED_SCHEDULERS = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant")
+ACCELERATORS = ("auto", "cpu", "gpu", "xla", "neuron")
+
+
+class ConfigError(ValueError):
+    """Raised with every problem found in a config, one per line, each naming its key."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = list(problems)
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid nxd_lc config ({len(problems)} problem(s)):\n{lines}")
+
+
+def _fields(cls: type) -> dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def _nested_type(cls: type, name: str) -> type | None:
+    """The dataclass type of field ``name`` of ``cls`` if it is a nested section, else None."""
+    default = _fields(cls)[name].default_factory  # type: ignore[misc]
+    if default is not dataclasses.MISSING:
+        value = default()
+        if dataclasses.is_dataclass(value):
+            return type(value)
+    return None
+
+
+_SCHEMA_LEAVES: list[str] = []
+
+
+def _schema_leaves(cls: type = NxdConfig, prefix: str = "") -> list[str]:
+    out = []
+    for name in _fields(cls):
+        sub = _nested_type(cls, name)
+        if sub is not None:
+            out.extend(_schema_leaves(sub, f"{prefix}{name}."))
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def _suggest(key: str, cls: type, prefix: str) -> str:
+    """'did you mean ...' hint: nearest sibling name, else nearest dotted key anywhere in the schema."""
+    siblings = list(_fields(cls))
+    close = difflib.get_close_matches(key, siblings, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{prefix}{close[0]}'?"
+    if not _SCHEMA_LEAVES:
+        _SCHEMA_LEAVES.extend(_schema_leaves())
+    by_leaf = {k.rsplit(".", 1)[-1]: k for k in _SCHEMA_LEAVES}
+    close = difflib.get_close_matches(key, list(by_leaf), n=1, cutoff=0.75)
+    if close:
+        return f"did you mean '{by_leaf[close[0]]}'?"
+    return f"valid keys here: {', '.join(siblings)}"
+
+
+def _check_keys(data: Mapping[str, Any], cls: type, prefix: str, problems: list[str]) -> None:
+    fields = _fields(cls)
+    for key, value in data.items():
+        if key not in fields:
+            problems.append(f"{prefix}{key}: unknown key; {_suggest(str(key), cls, prefix)}")
+            continue
+        sub = _nested_type(cls, key)
+        if sub is not None:
+            if value is None:
+                continue
+            if not isinstance(value, Mapping):
+                problems.append(f"{prefix}{key}: must be a mapping (section), got {type(value).__name__}")
+                continue
+            _check_keys(value, sub, f"{prefix}{key}.", problems)
+
+
+def _check_types(data: Mapping[str, Any], cls: type, prefix: str, problems: list[str]) -> None:
+    """Assign each known leaf to a structured node of ``cls`` one by one, so every bad value is reported."""
+    node = OmegaConf.structured(cls)
+    for key, value in data.items():
+        if key not in _fields(cls):
+            continue
+        sub = _nested_type(cls, key)
+        if sub is not None:
+            if isinstance(value, Mapping):
+                _check_types(value, sub, f"{prefix}{key}.", problems)
+            continue
+        try:
+            node[key] = value
+        except OmegaConfBaseException as e:
+            expected = _fields(cls)[key].type
+            problems.append(f"{prefix}{key}: invalid value {value!r} (expected {expected}): "
+                            f"{str(e).splitlines()[0]}")
+
+
+def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
+    for alias, canonical in KEY_ALIASES:
+        if alias in data:
+            if canonical in data and data[canonical] is not None:
+                problems.append(f"{alias}: NxDT alias of '{canonical}'; give only one of them")
+                continue
+            log.info("config: '%s' (NxDT spelling) is read as '%s'", alias, canonical)
+            data[canonical] = data.pop(alias)
+    prec = data.get("precision")
+    if isinstance(prec, dict) and prec.get("type") in PRECISION_ALIASES:
+        canonical = PRECISION_ALIASES[prec["type"]]
+        log.info("config: precision.type '%s' is read as '%s'", prec["type"], canonical)
+        prec["type"] = canonical
+
+
+def to_container(raw: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
+    """Resolve interpolations (``${multiply:...}``, ``${trainer.max_steps}``) into a plain dict.
+
+    Raises:
+        ConfigError: an interpolation cannot be resolved (names the key).
+    """
+    register_resolvers()
+    cfg = raw if isinstance(raw, DictConfig) else OmegaConf.create(dict(raw))
+    try:
+        return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        raise ConfigError([f"{key}: cannot resolve interpolation: {str(e).splitlines()[0]}"]) from e
+
+
+def load_config(raw: DictConfig | Mapping[str, Any], world_size: int | None = None,
+                check_paths: bool = False) -> NxdConfig:
+    """Validate ``raw`` and return the typed config.
+
+    Args:
+        raw: the composed Hydra config (or a plain nested dict).
+        world_size: the launched world size; when given it must equal ``trainer.devices * trainer.num_nodes``.
+        check_paths: also require data paths and ``resume_from_checkpoint`` to exist (true at launch).
+
+    Raises:
+        ConfigError: with every problem found, each naming its dotted key.
+    """
+    data = to_container(raw)
+    data.pop("hydra", None)
+    problems: list[str] = []
+    _apply_aliases(data, problems)
+    _check_keys(data, NxdConfig, "", problems)
+    _check_types(data, NxdConfig, "", problems)
+    if problems:
+        raise ConfigError(problems)
+    merged = OmegaConf.merge(OmegaConf.structured(NxdConfig), data)
+    cfg: NxdConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    problems.extend(cross_field_problems(cfg, world_size))
+    if check_paths:
+        problems.extend(path_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+    return cfg
+
+
+def resolve_path(path: str) -> str:
+    """Absolute path of ``path``; relative paths are taken from the launch directory (Hydra keeps the cwd)."""
+    return os.path.abspath(os.path.expanduser(path))
+
+
+def read_model_json(cfg: NxdConfig) -> dict[str, Any] | None:
+    """The HF config.json named by ``model.model_config`` as a dict, or None when unset/missing."""
+    if not cfg.model.model_config:
+        return None
+    path = resolve_path(cfg.model.model_config)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        return json.load(f)
+
+
+def seq_length(cfg: NxdConfig) -> int | None:
+    """The training sequence length: ``data.seq_length``, else ``model.encoder_seq_length``."""
+    return cfg.data.seq_length if cfg.data.seq_length is not None else cfg.model.encoder_seq_length
+
+
+def data_parallel_size(cfg: NxdConfig) -> int:
+    """DP = world / (TP * PP * CP), with world = trainer.devices * trainer.num_nodes."""
+    ds = cfg.distributed_strategy
+    mp = ds.tensor_model_parallel_size * ds.pipeline_model_parallel_size * ds.context_parallel_size
+    return max(1, (cfg.trainer.devices * cfg.trainer.num_nodes) // max(mp, 1))
+
+
+def _parallel_problems(cfg: NxdConfig, world_size: int | None) -> list[str]:
+    p: list[str] = []
+    ds, tr = cfg.distributed_strategy, cfg.trainer
+    for key in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                "kv_replicator", "virtual_pipeline_model_parallel_size"):
+        if getattr(ds, key) < 1:
+            p.append(f"distributed_strategy.{key}: must be >= 1, got {getattr(ds, key)}")
+    if tr.devices < 1 or tr.num_nodes < 1:
+        p.append("trainer.devices / trainer.num_nodes: must be >= 1")
+        return p
+    world = tr.devices * tr.num_nodes
+    if world_size is not None and world_size != world:
+        p.append(f"trainer.devices: launched world size is {world_size} but trainer.devices * trainer.num_nodes"
+                 f" = {tr.devices} * {tr.num_nodes} = {world}; set trainer.devices to the processes per node "
+                 f"(torchrun --nproc_per_node) and trainer.num_nodes to the node count")
+    mp = ds.tensor_model_parallel_size * ds.pipeline_model_parallel_size * ds.context_parallel_size
+    if mp >= 1 and world % mp != 0:
+        p.append(f"distributed_strategy.tensor_model_parallel_size: world size {world} is not divisible by "
+                 f"TP * PP * CP = {ds.tensor_model_parallel_size} * {ds.pipeline_model_parallel_size} * "
+                 f"{ds.context_parallel_size} = {mp}; world = TP x PP x CP x DP")
+    cb = cfg.exp_manager.checkpoint_callback_params
+    expected_mp = ds.tensor_model_parallel_size * ds.pipeline_model_parallel_size
+    if cb.model_parallel_size is not None and cb.model_parallel_size != expected_mp:
+        p.append(f"exp_manager.checkpoint_callback_params.model_parallel_size: {cb.model_parallel_size} != TP * PP"
+                 f" = {expected_mp}; use ${{multiply:${{distributed_strategy.tensor_model_parallel_size}}, "
+                 f"${{distributed_strategy.pipeline_model_parallel_size}}}}")
+    return p
+
+
+def _batch_problems(cfg: NxdConfig) -> list[str]:
+    p: list[str] = []
+    d = cfg.data
+    if d.micro_batch_size < 1 or d.global_batch_size < 1:
+        p.append("data.micro_batch_size / data.global_batch_size: must be >= 1")
+        return p
+    dp = data_parallel_size(cfg)
+    if d.global_batch_size % (d.micro_batch_size * dp) != 0:
+        p.append(f"data.global_batch_size: {d.global_batch_size} is not divisible by micro_batch_size x DP = "
+                 f"{d.micro_batch_size} x {dp}; gradient accumulation = global / (micro x DP) must be an integer")
+    s = seq_length(cfg)
+    if s is None:
+        p.append("data.seq_length: not set and model.encoder_seq_length is not set either; set one of them")
+    else:
+        if cfg.data.seq_length is not None and cfg.model.encoder_seq_length is not None \
+                and cfg.data.seq_length != cfg.model.encoder_seq_length:
+            p.append(f"data.seq_length: {cfg.data.seq_length} differs from model.encoder_seq_length "
+                     f"{cfg.model.encoder_seq_length}; set data.seq_length: ${{model.encoder_seq_length}}")
+        tp = cfg.distributed_strategy.tensor_model_parallel_size
+        if cfg.distributed_strategy.sequence_parallel and s % tp != 0:
+            p.append(f"data.seq_length: {s} must be divisible by tensor_model_parallel_size {tp} when "
+                     f"distributed_strategy.sequence_parallel is true")
+    if not 0.0 <= d.val_fraction < 1.0:
+        p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
+    if d.builtin_corpus not in (None, "python_stdlib"):
+        p.append(f"data.builtin_corpus: unknown corpus {d.builtin_corpus!r}; the built-in one is 'python_stdlib'")
+    return p
+
+
+def _head_problems(cfg: NxdConfig) -> list[str]:
+    p: list[str] = []
+    m, ds = cfg.model, cfg.distributed_strategy
+    if not m.model_config:
+        return ["model.model_config: required; path to an HF config.json (e.g. conf/tiny_llama_config.json)"]
+    hf = read_model_json(cfg)
+    if hf is None:
+        return [f"model.model_config: file not found: {resolve_path(m.model_config)}"]
+    tp, rep = ds.tensor_model_parallel_size, ds.kv_replicator
+    heads = int(hf.get("num_attention_heads", 0))
+    kv = int(hf.get("num_key_value_heads") or heads)
+    hidden = m.hidden_size or int(hf.get("hidden_size", 0))
+    if heads <= 0 or hidden <= 0:
+        return [f"model.model_config: {m.model_config} lacks num_attention_heads / hidden_size"]
+    if heads % tp != 0:
+        p.append(f"distributed_strategy.tensor_model_parallel_size: {tp} must divide num_attention_heads {heads}"
+                 f" (from {m.model_config})")
+    if hidden % heads != 0 and "head_dim" not in hf:
+        p.append(f"model.hidden_size: {hidden} is not divisible by num_attention_heads {heads}")
+    if heads % kv != 0:
+        p.append(f"model.model_config: num_attention_heads {heads} not divisible by num_key_value_heads {kv}")
+    if not m.qkv_linear:
+        if kv % tp != 0:
+            p.append(f"model.qkv_linear: false needs num_key_value_heads {kv} divisible by TP {tp}; set "
+                     f"model.qkv_linear: true and distributed_strategy.kv_replicator: {max(1, tp // kv)}")
+        if rep != 1:
+            p.append("distributed_strategy.kv_replicator: only used with model.qkv_linear: true; set it to 1")
+    elif (kv * rep) % tp != 0:
+        fix = tp // kv if tp % kv == 0 else None
+        p.append(f"distributed_strategy.kv_replicator: num_key_value_heads {kv} x kv_replicator {rep} must be "
+                 f"divisible by tensor_model_parallel_size {tp}" + (f"; use kv_replicator: {fix}" if fix else ""))
+    elif kv >= tp and rep != 1 and kv % tp == 0:
+        p.append(f"distributed_strategy.kv_replicator: {rep} replicates KV heads needlessly ({kv} KV heads already"
+                 f" divide TP {tp}); set it to 1")
+    return p
+
+
+def _choice_problems(cfg: NxdConfig) -> list[str]:
+    p: list[str] = []
+    choices = [
+        ("model_source", cfg.model_source, ("hf", "megatron")),
+        ("trainer.accelerator", cfg.trainer.accelerator, ACCELERATORS),
+        ("precision.type", cfg.precision.type, PRECISION_TYPES),
+        ("model.optim.name", cfg.model.optim.name, OPTIMIZERS),
+        ("model.optim.sched.name", cfg.model.optim.sched.name, SCHEDULERS),
+        ("exp_manager.checkpoint_callback_params.mode", cfg.exp_manager.checkpoint_callback_params.mode,
+         ("max", "min")),
+        ("model.activations_checkpoint_granularity", cfg.model.activations_checkpoint_granularity,
+         (None, "selective", "full")),
+    ]
+    for key, value, allowed in choices:
+        if value not in allowed:
+            near = difflib.get_close_matches(str(value), [str(a) for a in allowed if a], n=1)
+            hint = f"did you mean '{near[0]}'? " if near else ""
+            p.append(f"{key}: unknown value {value!r}; {hint}choose one of {', '.join(map(str, allowed))}")
+    if cfg.trainer.max_steps < 1:
+        p.append(f"trainer.max_steps: must be >= 1, got {cfg.trainer.max_steps}")
+    if cfg.trainer.log_every_n_steps < 1:
+        p.append(f"trainer.log_every_n_steps: must be >= 1, got {cfg.trainer.log_every_n_steps}")
+    sched = cfg.model.optim.sched
+    if sched.max_steps is not None and sched.warmup_steps + sched.constant_steps > sched.max_steps:
+        p.append(f"model.optim.sched.warmup_steps: warmup {sched.warmup_steps} + constant {sched.constant_steps} "
+                 f"exceeds sched.max_steps {sched.max_steps}")
+    if len(cfg.model.optim.betas) != 2:
+        p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
+    return p
+
+
+def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
+    """All cross-field rule violations of a typed config (empty when valid)."""
+    return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg)
+            + _choice_problems(cfg))
+
+
+def path_problems(cfg: NxdConfig) -> list[str]:
+    """Input paths that must exist at launch: data dirs, tokenizer dir, resume_from_checkpoint."""
+    import glob
+
+    p: list[str] = []
+    d = cfg.data
+    if d.train_dir is None and d.builtin_corpus is None:
+        p.append("data.train_dir: not set; point it at text files/jsonl/a datasets dir, or set "
+                 "data.builtin_corpus: python_stdlib")
+    for key, path in (("data.train_dir", d.train_dir), ("data.val_dir", d.val_dir)):
+        if path is not None and not glob.glob(resolve_path(path)):
+            p.append(f"{key}: no such file, directory or glob match: {resolve_path(path)}")
+    tok = d.tokenizer.type
+    if tok not in (None, "bytelevel_bpe") and not os.path.isdir(resolve_path(tok)):
+        p.append(f"data.tokenizer.type: {tok!r} is neither 'bytelevel_bpe' nor an existing tokenizer directory")
+    if tok is None:
+        p.append("data.tokenizer.type: not set; give an HF tokenizer directory or 'bytelevel_bpe'")
+    w = cfg.model.hf_weights_dir
+    if w is not None and not os.path.isdir(resolve_path(w)):
+        p.append(f"model.hf_weights_dir: no such directory: {resolve_path(w)} (expected HF safetensors files)")
+    r = cfg.exp_manager.resume_from_checkpoint
+    if r is not None and not os.path.isdir(resolve_path(r)):
+        p.append(f"exp_manager.resume_from_checkpoint: no such checkpoint directory: {resolve_path(r)}")
+    return p
+
+
+def unsupported_features(cfg: NxdConfig) -> list[str]:
+    """Keys set to values whose feature lands in a later issue: ``not supported yet: <key>=<value>``."""
+    ds, m, em = cfg.distributed_strategy, cfg.model, cfg.exp_manager
+    checks: list[tuple[bool, str, Any]] = [
+        (cfg.model_source != "hf", "model_source", cfg.model_source),
+        (ds.pipeline_model_parallel_size != 1, "distributed_strategy.pipeline_model_parallel_size",
+         ds.pipeline_model_parallel_size),
+        (ds.virtual_pipeline_model_parallel_size != 1, "distributed_strategy.virtual_pipeline_model_parallel_size",
+         ds.virtual_pipeline_model_parallel_size),
+        (ds.context_parallel_size != 1, "distributed_strategy.context_parallel_size", ds.context_parallel_size),
+        (ds.zero1, "distributed_strategy.zero1", ds.zero1),
+        (cfg.precision.type != "fp32", "precision.type", cfg.precision.type),
+        (cfg.precision.parallel_layers_reduce_dtype not in (None, "fp32", "float32"),
+         "precision.parallel_layers_reduce_dtype", cfg.precision.parallel_layers_reduce_dtype),
+        (m.activations_checkpoint_granularity is not None, "model.activations_checkpoint_granularity",
+         m.activations_checkpoint_granularity),
+        (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
+        (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
+        (cfg.trainer.accelerator in ("xla", "neuron"), "trainer.accelerator", cfg.trainer.accelerator),
+        (cfg.trainer.lnc is not None, "trainer.lnc", cfg.trainer.lnc),
+        (cfg.trainer.sequential_move_factor is not None, "trainer.sequential_move_factor",
+         cfg.trainer.sequential_move_factor),
+        (em.async_checkpointing, "exp_manager.async_checkpointing", em.async_checkpointing),
+        (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
+         em.enable_recovery_time_instrumentation),
+        (em.checkpoint_callback_params.use_master_weights_in_ckpt,
+         "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt", True),
+    ]
+    return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad]
+
+
+def check_supported(cfg: NxdConfig) -> None:
+    """Raise :class:`ConfigError` listing every key whose feature is not implemented yet."""
+    problems = unsupported_features(cfg)
+    if problems:
+        raise ConfigError(problems)

@@ -1,0 +1,240 @@
+"""Tokenizers: load an HF tokenizer directory, or train (and cache) a byte-level BPE on the corpus.
+
+``data.tokenizer.type`` is either a local HF tokenizer directory (``AutoTokenizer.from_pretrained``) or
+``'bytelevel_bpe'``: a GPT-2 style byte-level BPE (Radford et al. 2019; ``tokenizers`` ``ByteLevel``
+pre-tokenizer + decoder, so every byte sequence round-trips) trained with the ``tokenizers`` library on at most
+``data.tokenizer.train_max_bytes`` UTF-8 bytes of the training documents, with ``<|endoftext|>`` as the only
+special token serving as eos, bos and pad.
+
+Trained tokenizers are cached under ``<cache_dir>/tokenizers/<key>`` with key = SHA-256 of (corpus fingerprint,
+vocab_size, train_max_bytes, format version), so later runs load it instead of retraining.
+
+Several ranks may start at once: :func:`build_once` lets one builder per node write into a private temporary
+path and publish it with an atomic ``os.replace``; the others wait for the published path (or meet at a
+``barrier`` callable). Packing uses the same helper.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING
+
+from nxd_lc.config.schema import TokenizerConfig
+from nxd_lc.config.validate import resolve_path
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+EOS_TOKEN = "<|endoftext|>"
+BYTELEVEL_BPE = "bytelevel_bpe"
+DEFAULT_CACHE_DIR = "./.cache/nxd_lc"
+_FORMAT_VERSION = "bpe-v1"
+_MIN_VOCAB = 256 + 1  # the byte alphabet plus <|endoftext|>
+
+
+def default_is_builder() -> bool:
+    """Whether this process builds shared caches: local rank 0 of its node.
+
+    Uses ``LOCAL_RANK`` (set by torchrun and Lightning's launchers); else global rank 0 when
+    ``torch.distributed`` is initialised; else True (a single process).
+    """
+    if "LOCAL_RANK" in os.environ:
+        return int(os.environ["LOCAL_RANK"]) == 0
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank() == 0
+    return True
+
+
+def build_once(path: str, build: Callable[[str], None], *, is_builder: bool | None = None,
+               barrier: Callable[[], None] | None = None, timeout_s: float = 7200.0,
+               poll_s: float = 0.5) -> bool:
+    """Make sure ``path`` exists, building it at most once per node; safe when many ranks start together.
+
+    The builder calls ``build(tmp)`` (which must create the file or directory ``tmp``) and publishes it with
+    ``os.replace(tmp, path)``; readers never see a partial result. If another builder (another node on a
+    shared file system) published first, this one's copy is discarded. Non-builders wait at ``barrier`` when
+    given, then poll until ``path`` exists.
+
+    Args:
+        path: final file or directory.
+        build: writes the artifact to the temporary path it is given.
+        is_builder: whether this process builds; default :func:`default_is_builder`.
+        barrier: optional callable all ranks reach after the builder finished (e.g. ``dist.barrier``).
+        timeout_s, poll_s: how long / how often a waiting rank polls, in seconds.
+    Returns:
+        True when this call built the artifact, False when it already existed or another process built it.
+    Raises:
+        TimeoutError: ``path`` did not appear within ``timeout_s`` (names the path: check the builder's log).
+    """
+    builder = default_is_builder() if is_builder is None else is_builder
+    built = False
+    if builder and not os.path.exists(path):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            build(tmp)
+            built = _publish(tmp, path)
+        finally:
+            _remove(tmp)
+    if barrier is not None:
+        barrier()
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"waited {timeout_s:.0f} s for {path} to be built by the local rank 0 process; "
+                               "check that rank's log, or delete stale *.tmp-* entries next to it")
+        time.sleep(poll_s)
+    return built
+
+
+def _publish(tmp: str, path: str) -> bool:
+    try:
+        os.replace(tmp, path)
+    except OSError:
+        if os.path.exists(path):  # another builder won the race (non-empty directory target)
+            return False
+        raise
+    return True
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.remove(path)
+
+
+def _limited_texts(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
+    """Yield texts until ``max_bytes`` UTF-8 bytes were produced (the last text is cut at the limit)."""
+    budget = max_bytes
+    for text in texts:
+        data = text.encode("utf-8")
+        if len(data) >= budget:
+            yield data[:budget].decode("utf-8", errors="ignore")
+            return
+        budget -= len(data)
+        yield text
+
+
+def train_bytelevel_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """Train a byte-level BPE and wrap it as a ``PreTrainedTokenizerFast``.
+
+    Args:
+        texts: training documents.
+        vocab_size: target size including the byte alphabet (256) and ``<|endoftext|>``.
+    Raises:
+        ValueError: ``vocab_size`` < 257 (names ``data.tokenizer.vocab_size``).
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if vocab_size < _MIN_VOCAB:
+        raise ValueError(f"data.tokenizer.vocab_size: {vocab_size} is below {_MIN_VOCAB} (256 bytes + "
+                         f"{EOS_TOKEN}); use e.g. 8192")
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS_TOKEN], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(texts, trainer=trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS_TOKEN, bos_token=EOS_TOKEN,
+                                   pad_token=EOS_TOKEN)
+
+
+def bpe_cache_path(tok_cfg: TokenizerConfig, cache_dir: str, corpus_fingerprint: str) -> str:
+    """Cache directory of the BPE trained with ``tok_cfg`` on the corpus with ``corpus_fingerprint``."""
+    key = hashlib.sha256(repr((_FORMAT_VERSION, corpus_fingerprint, tok_cfg.vocab_size,
+                               tok_cfg.train_max_bytes)).encode()).hexdigest()[:24]
+    return os.path.join(resolve_path(cache_dir), "tokenizers", f"{BYTELEVEL_BPE}-{tok_cfg.vocab_size}-{key}")
+
+
+def load_tokenizer(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterable[str]] | None,
+                   cache_dir: str | None = None, *, corpus_fingerprint: str = "",
+                   is_builder: bool | None = None,
+                   barrier: Callable[[], None] | None = None) -> PreTrainedTokenizerFast:
+    """The tokenizer named by ``data.tokenizer``.
+
+    Args:
+        tok_cfg: ``data.tokenizer`` (``type`` = HF tokenizer dir or ``'bytelevel_bpe'``).
+        train_texts_fn: returns the training documents (called only when a BPE must be trained).
+        cache_dir: cache root; default ``tok_cfg.cache_dir`` or ``./.cache/nxd_lc``.
+        corpus_fingerprint: identity of the training corpus (``DocumentSource.fingerprint()``: file list +
+            sizes); part of the BPE cache key.
+        is_builder, barrier: see :func:`build_once`.
+    Returns:
+        A fast tokenizer with an ``eos_token_id``.
+    Raises:
+        ValueError: ``type`` unset, not a directory / 'bytelevel_bpe', not a fast tokenizer, without an eos
+            token, or 'bytelevel_bpe' without training texts. All name ``data.tokenizer.type``.
+    """
+    kind = tok_cfg.type
+    if kind is None:
+        raise ValueError("data.tokenizer.type: not set; give an HF tokenizer directory or 'bytelevel_bpe'")
+    if kind == BYTELEVEL_BPE:
+        if train_texts_fn is None:
+            raise ValueError("data.tokenizer.type: 'bytelevel_bpe' needs training text, but the corpus is "
+                             "already tokenized (input_ids); give the tokenizer directory used to tokenize it")
+        cache_root = cache_dir or tok_cfg.cache_dir or DEFAULT_CACHE_DIR
+        path = bpe_cache_path(tok_cfg, cache_root, corpus_fingerprint)
+        build_once(path, lambda tmp: _train_and_save(tok_cfg, train_texts_fn, tmp),
+                   is_builder=is_builder, barrier=barrier)
+        return _load_dir(path, kind)
+    directory = resolve_path(kind)
+    if not os.path.isdir(directory):
+        raise ValueError(f"data.tokenizer.type: {kind!r} is neither 'bytelevel_bpe' nor an existing tokenizer "
+                         f"directory ({directory})")
+    return _load_dir(directory, kind)
+
+
+def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterable[str]], out_dir: str) -> None:
+    start = time.perf_counter()
+    tok = train_bytelevel_bpe(_limited_texts(train_texts_fn(), tok_cfg.train_max_bytes), tok_cfg.vocab_size)
+    tok.save_pretrained(out_dir)
+    log.info("trained byte-level BPE: %d tokens on <= %d bytes in %.1f s -> %s", len(tok),
+             tok_cfg.train_max_bytes, time.perf_counter() - start, out_dir)
+
+
+def _load_dir(directory: str, kind: str) -> PreTrainedTokenizerFast:
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=True)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: {e}") from e
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); a fast "
+                         "(tokenizer.json) tokenizer is required")
+    if tok.eos_token_id is None:
+        raise ValueError(f"data.tokenizer.type: tokenizer {kind!r} has no eos token; packing separates "
+                         "documents with it; set eos_token in its tokenizer_config.json")
+    return tok
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:
+    """SHA-256 hex of the tokenizer's serialized model/normalizer/pre-tokenizer and its eos id (cache key)."""
+    h = hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8"))
+    h.update(str(tokenizer.eos_token_id).encode())
+    return h.hexdigest()
+
+
+def check_vocab(tokenizer: PreTrainedTokenizerFast, model_vocab_size: int) -> None:
+    """Raise when the tokenizer can emit ids the model's embedding cannot hold.
+
+    Raises:
+        ValueError: ``len(tokenizer) > model_vocab_size``; names ``data.tokenizer`` and ``model.model_config``.
+    """
+    n = len(tokenizer)
+    if n > model_vocab_size:
+        raise ValueError(f"data.tokenizer: the tokenizer has {n} tokens but the model's vocab_size (from "
+                         f"model.model_config) is {model_vocab_size}; lower data.tokenizer.vocab_size to "
+                         f"<= {model_vocab_size} or use a model config with vocab_size >= {n}")

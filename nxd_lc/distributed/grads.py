@@ -1,0 +1,180 @@
+"""Gradient reductions and global norms for TP / SP / KV-replica / DP(xCP) / PP parallelism.
+
+Call order after ``loss.backward()`` (each step, before the optimizer):
+
+1. :func:`allreduce_sequence_parallel_gradients` - params replicated over TP whose inputs were
+   sequence-split (norm weights, row biases under SP; flag ``sequence_parallel_enabled``) only saw
+   ``S/tp`` tokens: their gradients are summed over TP.
+2. :func:`allreduce_kv_replica_gradients` - KV heads replicated by ``kv_replicator`` (flag
+   ``kv_replicated``, optionally only rows ``kv_replicated_rows=(start, stop)`` of dim 0) each saw
+   the queries of one rank: the replicas' gradients are summed over the KV-shared group.
+3. :func:`allreduce_data_parallel_gradients` - average over DP (x CP).
+4. :func:`clip_grad_norm_` / :func:`global_grad_norm`.
+
+Norm convention: the global norm is that of the *unsharded, unreplicated* model, identical on
+every rank: TP-sharded parameters contribute on every TP rank, TP-replicated ones only on TP rank
+0, KV replicas only on KV-shared-group rank 0; the sums are all-reduced over the model-parallel
+(TP x PP) group. DP (x CP) replicas hold identical gradients after step 3, so they are not
+summed (unless ``data_parallel_sharded``, e.g. ZeRO-1 shards, where each DP rank holds a disjoint
+part). ``params`` must be ``nn.Parameter`` objects so that these attributes can be read.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.distributed.collectives import ProcessGroup
+
+
+def _coalesced_all_reduce(
+    tensors: list[torch.Tensor], group: ProcessGroup | None, op: str = "sum", bucket_size_mb: float = 64.0
+) -> None:
+    """All-reduce ``tensors`` in place, flattening them into buckets of at most ``bucket_size_mb``
+    (per dtype/device) so the number of collectives stays small."""
+    if collectives.group_size(group) == 1 or not tensors:
+        return
+    limit = max(1, int(bucket_size_mb * 1024 * 1024))
+    by_kind: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        by_kind.setdefault((t.dtype, t.device), []).append(t)
+    for group_tensors in by_kind.values():
+        bucket: list[torch.Tensor] = []
+        size = 0
+        for t in group_tensors:
+            bucket.append(t)
+            size += t.numel() * t.element_size()
+            if size >= limit:
+                _reduce_bucket(bucket, group, op)
+                bucket, size = [], 0
+        if bucket:
+            _reduce_bucket(bucket, group, op)
+
+
+def _reduce_bucket(bucket: list[torch.Tensor], group: ProcessGroup | None, op: str) -> None:
+    flat = torch.cat([t.reshape(-1) for t in bucket])
+    collectives.all_reduce(flat, group, op=op)
+    for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
+        t.copy_(chunk.view_as(t))
+
+
+def allreduce_sequence_parallel_gradients(module: nn.Module) -> None:
+    """Sum over TP the gradients of ``module``'s parameters flagged ``sequence_parallel_enabled``.
+    No-op at TP size 1. Collective over the TP group."""
+    grads = [p.grad for p in module.parameters()
+             if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
+    _coalesced_all_reduce(grads, parallel_state.get_tensor_model_parallel_group())
+
+
+def _kv_replica_view(param: nn.Parameter, tensor: torch.Tensor) -> torch.Tensor:
+    """The replicated part of ``tensor`` (param's grad or data): the rows ``kv_replicated_rows``
+    of dim 0 when set, else the whole tensor."""
+    rows = getattr(param, "kv_replicated_rows", None)
+    return tensor if rows is None else tensor[rows[0]:rows[1]]
+
+
+def allreduce_kv_replica_gradients(module: nn.Module) -> None:
+    """Sum over the KV-shared group the gradients of parameters flagged ``kv_replicated`` (only
+    their ``kv_replicated_rows`` when set), so replicas stay identical and carry the full gradient.
+    No-op when ``kv_replicator`` is 1. Collective over the KV-shared group."""
+    views = [_kv_replica_view(p, p.grad) for p in module.parameters()
+             if getattr(p, "kv_replicated", False) and p.grad is not None]
+    _coalesced_all_reduce(views, parallel_state.get_kv_shared_group())
+
+
+def allreduce_data_parallel_gradients(
+    params: Iterable[nn.Parameter], with_context_parallel: bool = True, bucket_size_mb: float = 64.0
+) -> None:
+    """Average gradients over the DP group (DP x CP when ``with_context_parallel``), bucketed.
+
+    With context parallelism each CP rank's loss must be normalised so that the *average* over
+    DP x CP ranks is the global per-token mean (e.g. local token-sum x cp / global token count,
+    or the local mean when every rank holds the same number of loss tokens).
+    Parameters without a gradient are skipped (they must be the same on all ranks).
+    """
+    grads = [p.grad for p in params if p.grad is not None]
+    group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
+    _coalesced_all_reduce(grads, group, op="avg", bucket_size_mb=bucket_size_mb)
+
+
+def _norm_parts(param: nn.Parameter, tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The pieces of ``tensor`` this rank counts in a global norm (see module docstring)."""
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if not getattr(param, "tensor_model_parallel", False):
+        return [tensor] if tp_rank == 0 else []
+    if not getattr(param, "kv_replicated", False) or parallel_state.get_kv_shared_group_rank() == 0:
+        return [tensor]
+    rows = getattr(param, "kv_replicated_rows", None)
+    if rows is None:
+        return []
+    return [tensor[: rows[0]], tensor[rows[1]:]]
+
+
+def _global_norm(
+    pairs: list[tuple[nn.Parameter, torch.Tensor]], norm_type: float, data_parallel_sharded: bool
+) -> torch.Tensor:
+    norm_type = float(norm_type)
+    if norm_type <= 0:
+        raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
+    device = pairs[0][1].device if pairs else torch.device("cpu")
+    parts = [t for p, x in pairs for t in _norm_parts(p, x) if t.numel() > 0]
+    norms = [torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device) for t in parts]
+    if math.isinf(norm_type):
+        local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
+        op = "max"
+    else:
+        local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
+        op = "sum"
+    total = collectives.all_reduce(local.reshape(1), parallel_state.get_model_parallel_group(), op=op)
+    if data_parallel_sharded:
+        total = collectives.all_reduce(total, parallel_state.get_data_parallel_group(True), op=op)
+    total = total[0]
+    return total if math.isinf(norm_type) else total.pow(1.0 / norm_type)
+
+
+def global_grad_norm(
+    params: Iterable[nn.Parameter], norm_type: float = 2.0, data_parallel_sharded: bool = False
+) -> torch.Tensor:
+    """Norm of all gradients of the full model, identical on every rank (fp32 0-dim tensor).
+
+    Formula: ``(sum_i ||g_i||_p^p)^(1/p)`` over unique parameter pieces, ``max_i ||g_i||_inf`` for
+    ``p = inf`` (as ``torch.nn.utils.clip_grad_norm_``), counting rules in the module docstring.
+    Collective over the TP x PP group (and DP x CP with ``data_parallel_sharded``): every rank
+    must call it, even with no gradients.
+
+    Raises:
+        ValueError: if ``norm_type <= 0``.
+    """
+    pairs = [(p, p.grad.detach()) for p in params if p.grad is not None]
+    return _global_norm(pairs, norm_type, data_parallel_sharded)
+
+
+def global_param_norm(
+    params: Iterable[nn.Parameter], norm_type: float = 2.0, data_parallel_sharded: bool = False
+) -> torch.Tensor:
+    """Norm of all parameters of the full model, same counting rules as :func:`global_grad_norm`."""
+    pairs = [(p, p.detach()) for p in params]
+    return _global_norm(pairs, norm_type, data_parallel_sharded)
+
+
+def clip_grad_norm_(
+    params: Iterable[nn.Parameter], max_norm: float, norm_type: float = 2.0, data_parallel_sharded: bool = False
+) -> torch.Tensor:
+    """Scale all gradients in place by ``min(1, max_norm / (total_norm + 1e-6))`` (the rule of
+    ``torch.nn.utils.clip_grad_norm_``) with the global norm; returns the pre-clip total norm.
+
+    Raises:
+        ValueError: if ``max_norm <= 0`` or ``norm_type <= 0``.
+    """
+    if max_norm <= 0:
+        raise ValueError(f"clip_grad_norm_: max_norm (trainer.gradient_clip_val) must be > 0, got {max_norm}")
+    params = [p for p in params if p.grad is not None]
+    total = global_grad_norm(params, norm_type, data_parallel_sharded)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    for p in params:
+        p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    return total

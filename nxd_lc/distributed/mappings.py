@@ -1,0 +1,186 @@
+"""Autograd-aware collectives over the tensor-parallel (TP) group.
+
+Each function is the forward half of a conjugate pair (Megatron-LM ``mappings.py``, NxD
+``parallel_layers/mappings.py``): the backward applies the adjoint collective so that gradients
+are exact. Layout: activations are batch-first ``[B, S, H]``; the "TP region" split is on the
+last dim (features) and the sequence-parallel split is on dim 1 (sequence), giving
+``[B, S/tp, H]`` on each rank. Every function is the identity when the TP world size is 1.
+
+| function                                   | forward                  | backward               |
+|--------------------------------------------|--------------------------|------------------------|
+| copy_to_tensor_model_parallel_region       | identity                 | all-reduce             |
+| reduce_from_tensor_model_parallel_region   | all-reduce               | identity               |
+| scatter_to_tensor_model_parallel_region    | keep own last-dim chunk  | all-gather last dim    |
+| gather_from_tensor_model_parallel_region   | all-gather last dim      | keep own chunk         |
+| scatter_to_sequence_parallel_region        | keep own dim-1 chunk     | all-gather dim 1       |
+| gather_from_sequence_parallel_region       | all-gather dim 1         | reduce-scatter dim 1 * |
+| reduce_scatter_to_sequence_parallel_region | reduce-scatter dim 1     | all-gather dim 1       |
+
+(*) when ``to_model_parallel=True`` (the consumer is a TP column layer, so every rank's gradient
+is a partial sum); with ``False`` the backward just keeps the own chunk.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from nxd_lc.distributed import collectives, parallel_state
+
+_SEQ_DIM = 1
+
+
+def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """This TP rank's chunk of ``x`` along ``dim`` (requires divisibility)."""
+    world = parallel_state.get_tensor_model_parallel_world_size()
+    if world == 1:
+        return x
+    if x.shape[dim] % world != 0:
+        raise ValueError(
+            f"cannot split dim {dim} of size {x.shape[dim]} over tensor_model_parallel_size {world}; "
+            f"the sequence length / feature size must be a multiple of {world}"
+        )
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    return x.chunk(world, dim=dim)[rank].contiguous()
+
+
+def _all_reduce(x: torch.Tensor) -> torch.Tensor:
+    group = parallel_state.get_tensor_model_parallel_group()
+    if collectives.group_size(group) == 1:
+        return x
+    return collectives.all_reduce(x.contiguous().clone(), group)
+
+
+def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return collectives.all_gather(x, dim, parallel_state.get_tensor_model_parallel_group())
+
+
+def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+    return collectives.reduce_scatter(x, dim, parallel_state.get_tensor_model_parallel_group())
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(grad)
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _all_reduce(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+
+class _ScatterToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _split(x, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _gather(grad, -1)
+
+
+class _GatherFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _gather(x, -1)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _split(grad, -1)
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _split(x, _SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _gather(grad, _SEQ_DIM)
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, to_model_parallel: bool) -> torch.Tensor:
+        ctx.to_model_parallel = to_model_parallel
+        return _gather(x, _SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if ctx.to_model_parallel:
+            return _reduce_scatter(grad, _SEQ_DIM), None
+        return _split(grad, _SEQ_DIM), None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return _reduce_scatter(x, _SEQ_DIM)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _gather(grad, _SEQ_DIM)
+
+
+def copy_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward, TP all-reduce of the gradient (input of a column-parallel layer)."""
+    return _CopyToTP.apply(x)
+
+
+def reduce_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """TP all-reduce (sum) forward, identity backward (output of a row-parallel layer)."""
+    return _ReduceFromTP.apply(x)
+
+
+def scatter_to_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """``[..., F]`` -> this rank's ``[..., F/tp]``; backward all-gathers the last dim.
+
+    Raises:
+        ValueError: if ``F`` is not divisible by the TP size.
+    """
+    return _ScatterToTP.apply(x)
+
+
+def gather_from_tensor_model_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """``[..., F/tp]`` -> ``[..., F]`` (ranks concatenated in order); backward keeps own chunk."""
+    return _GatherFromTP.apply(x)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H]`` -> this rank's ``[B, S/tp, H]``; backward all-gathers dim 1.
+
+    Raises:
+        ValueError: if ``S`` is not divisible by the TP size.
+    """
+    return _ScatterToSP.apply(x)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, to_model_parallel: bool = True) -> torch.Tensor:
+    """``[B, S/tp, H]`` -> ``[B, S, H]``.
+
+    Backward: reduce-scatter along dim 1 when ``to_model_parallel`` (the gathered tensor feeds a
+    TP-sharded computation, so each rank holds a partial gradient of the full sequence);
+    otherwise each rank already holds the full gradient and just keeps its own chunk.
+    """
+    return _GatherFromSP.apply(x, to_model_parallel)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, H]`` partial sums -> summed ``[B, S/tp, H]`` (output of a row-parallel layer under
+    sequence parallelism); backward all-gathers dim 1.
+
+    Raises:
+        ValueError: if ``S`` is not divisible by the TP size.
+    """
+    return _ReduceScatterToSP.apply(x)

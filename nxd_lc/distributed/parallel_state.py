@@ -1,0 +1,290 @@
+"""Process groups for tensor, context, data and pipeline parallelism (the one source of groups).
+
+Rank layout (NxD, Megatron): global ranks are laid out as ``[PP, DP, CP, TP]`` with TP the
+fastest-varying index::
+
+    global_rank = ((pp_rank * DP + dp_rank) * CP + cp_rank) * TP + tp_rank
+
+so the TP group holds contiguous ranks, the CP group strides by TP, the DP group by TP*CP and
+the PP group by TP*CP*DP. ``DP = world / (TP * CP * PP)``.
+
+KV-shared group: with ``kv_replicator = K > 1`` each KV head is held by K consecutive TP ranks
+(replicas laid out as ``K0 K0 .. K1 K1 ..``, NxD's "sequential" arrangement, which keeps the
+HF query-head order valid; NxD uses it on Trn2, while its Trn1 default interleaves replicas
+and permutes query heads). The KV-shared group is therefore K contiguous ranks inside a TP group.
+
+When ``torch.distributed`` is not initialised everything behaves as world size 1: group getters
+return ``None`` (collectives on ``None`` are no-ops), ranks are 0 and sizes are 1. When it is
+initialised, :func:`initialize_model_parallel` must be called first; the getters raise
+``RuntimeError`` otherwise (never silently falling back to the world group).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nxd_lc.distributed import collectives
+from nxd_lc.distributed.collectives import ProcessGroup
+
+
+@dataclass
+class _State:
+    tp: int
+    cp: int
+    dp: int
+    pp: int
+    kv_replicator: int
+    groups: dict[str, ProcessGroup]
+    ranks: dict[str, list[int]]
+    all_groups: list[ProcessGroup]
+
+
+_STATE: _State | None = None
+
+
+def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int) -> dict[str, list[list[int]]]:
+    """All rank lists per group kind for the ``[PP, DP, CP, TP]`` layout (pure, no communication)."""
+
+    def rank(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
+
+    idx = [(p, d, c, t) for p in range(pp) for d in range(dp) for c in range(cp) for t in range(tp)]
+    keys = {
+        "tp": lambda p, d, c, t: (p, d, c),
+        "cp": lambda p, d, c, t: (p, d, t),
+        "dp": lambda p, d, c, t: (p, c, t),
+        "dp_cp": lambda p, d, c, t: (p, t),
+        "pp": lambda p, d, c, t: (d, c, t),
+        "mp": lambda p, d, c, t: (d, c),
+        "kv": lambda p, d, c, t: (p, d, c, t // kv),
+    }
+    layout: dict[str, list[list[int]]] = {}
+    for name, key in keys.items():
+        buckets: dict[tuple, list[int]] = {}
+        for i in idx:
+            buckets.setdefault(key(*i), []).append(rank(*i))
+        layout[name] = [sorted(v) for v in buckets.values()]
+    return layout
+
+
+def rank_layout(
+    world_size: int,
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    kv_replicator: int = 1,
+) -> dict[str, list[list[int]]]:
+    """Global-rank lists of every group, without creating any group.
+
+    Returns a dict with keys ``tp``, ``cp``, ``dp``, ``dp_cp`` (DP x CP), ``pp``, ``mp`` (TP x PP,
+    the model-parallel group) and ``kv`` (KV-shared), each a list of sorted rank lists.
+
+    Raises:
+        ValueError: if a size is < 1, ``world_size`` is not divisible by TP*CP*PP, or TP is not
+            divisible by ``kv_replicator``.
+    """
+    sizes = {
+        "tensor_model_parallel_size": tensor_model_parallel_size,
+        "pipeline_model_parallel_size": pipeline_model_parallel_size,
+        "context_parallel_size": context_parallel_size,
+        "kv_replicator": kv_replicator,
+    }
+    for key, value in sizes.items():
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"distributed_strategy.{key} must be a positive integer, got {value!r}")
+    model = tensor_model_parallel_size * context_parallel_size * pipeline_model_parallel_size
+    if world_size % model != 0:
+        raise ValueError(
+            f"world size {world_size} is not divisible by tensor_model_parallel_size "
+            f"({tensor_model_parallel_size}) x context_parallel_size ({context_parallel_size}) x "
+            f"pipeline_model_parallel_size ({pipeline_model_parallel_size}) = {model}; change the "
+            f"parallel sizes or the number of processes (trainer.devices x trainer.num_nodes)"
+        )
+    if tensor_model_parallel_size % kv_replicator != 0:
+        raise ValueError(
+            f"distributed_strategy.kv_replicator ({kv_replicator}) must divide "
+            f"tensor_model_parallel_size ({tensor_model_parallel_size})"
+        )
+    return _layout_groups(
+        tensor_model_parallel_size, context_parallel_size, world_size // model,
+        pipeline_model_parallel_size, kv_replicator,
+    )
+
+
+def initialize_model_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    context_parallel_size: int = 1,
+    kv_replicator: int = 1,
+) -> None:
+    """Create all parallel groups over the already-initialised default process group.
+
+    Must be called by every rank with the same arguments. Without torch.distributed initialised
+    only world size 1 is accepted (all sizes 1 except ``kv_replicator``, which must then be 1 too).
+
+    Raises:
+        ValueError: sizes that do not divide the world size (see :func:`rank_layout`).
+        RuntimeError: if already initialised (call :func:`destroy_model_parallel` first).
+    """
+    global _STATE
+    if _STATE is not None:
+        raise RuntimeError("initialize_model_parallel: already initialised; call destroy_model_parallel()")
+    world = collectives.get_global_world_size()
+    layout = rank_layout(
+        world, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
+        kv_replicator,
+    )
+    me = collectives.get_global_rank()
+    groups: dict[str, ProcessGroup] = {}
+    ranks: dict[str, list[int]] = {}
+    by_ranks: dict[tuple[int, ...], ProcessGroup | None] = {}
+    for name, rank_lists in layout.items():
+        for rank_list in rank_lists:
+            key = tuple(rank_list)
+            if key not in by_ranks:  # every rank creates every distinct group, in the same order
+                by_ranks[key] = collectives.new_group(rank_list) if collectives.is_initialized() else None
+            if me in rank_list:
+                groups[name], ranks[name] = by_ranks[key], rank_list
+    created = [g for g in by_ranks.values() if g is not None]
+    tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
+    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
+
+
+def model_parallel_is_initialized() -> bool:
+    """True after :func:`initialize_model_parallel` and before :func:`destroy_model_parallel`."""
+    return _STATE is not None
+
+
+def destroy_model_parallel() -> None:
+    """Forget (and release) all groups; safe to call when nothing is initialised."""
+    global _STATE
+    if _STATE is not None and collectives.is_initialized():
+        for group in _STATE.all_groups:
+            collectives.destroy_group(group)
+    _STATE = None
+
+
+def _state() -> _State | None:
+    if _STATE is None and collectives.is_initialized():
+        raise RuntimeError(
+            "nxd_lc parallel state is not initialised: call "
+            "nxd_lc.distributed.parallel_state.initialize_model_parallel(...) after "
+            "torch.distributed.init_process_group"
+        )
+    return _STATE
+
+
+def _group(name: str) -> ProcessGroup | None:
+    state = _state()
+    return None if state is None else state.groups[name]
+
+
+def _rank(name: str) -> int:
+    state = _state()
+    return 0 if state is None else state.ranks[name].index(collectives.get_global_rank())
+
+
+def _size(name: str) -> int:
+    state = _state()
+    return 1 if state is None else len(state.ranks[name])
+
+
+def get_tensor_model_parallel_group() -> ProcessGroup | None:
+    """TP group of this rank (contiguous global ranks); None without torch.distributed."""
+    return _group("tp")
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """Rank inside the TP group (0 without torch.distributed)."""
+    return _rank("tp")
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """TP group size (1 without torch.distributed)."""
+    return _size("tp")
+
+
+def get_context_parallel_group() -> ProcessGroup | None:
+    """CP group of this rank (global ranks strided by TP); None without torch.distributed."""
+    return _group("cp")
+
+
+def get_context_parallel_rank() -> int:
+    """Rank inside the CP group."""
+    return _rank("cp")
+
+
+def get_context_parallel_world_size() -> int:
+    """CP group size."""
+    return _size("cp")
+
+
+def get_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup | None:
+    """DP group of this rank, or the combined DP x CP group when ``with_context_parallel``
+    (the group over which gradients are averaged when CP > 1)."""
+    return _group("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Rank inside the DP (or DP x CP) group."""
+    return _rank("dp_cp" if with_context_parallel else "dp")
+
+
+def get_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """DP (or DP x CP) group size."""
+    return _size("dp_cp" if with_context_parallel else "dp")
+
+
+def get_pipeline_model_parallel_group() -> ProcessGroup | None:
+    """PP group of this rank (global ranks strided by TP*CP*DP)."""
+    return _group("pp")
+
+
+def get_pipeline_model_parallel_rank() -> int:
+    """Rank inside the PP group (the pipeline stage index)."""
+    return _rank("pp")
+
+
+def get_pipeline_model_parallel_world_size() -> int:
+    """Number of pipeline stages."""
+    return _size("pp")
+
+
+def get_model_parallel_group() -> ProcessGroup | None:
+    """TP x PP group (same DP and CP rank): the ranks that together hold one model replica's
+    parameters; used to sum gradient/parameter norms."""
+    return _group("mp")
+
+
+def get_kv_shared_group() -> ProcessGroup | None:
+    """The ``kv_replicator`` consecutive TP ranks that hold replicas of the same KV heads."""
+    return _group("kv")
+
+
+def get_kv_shared_group_rank() -> int:
+    """Rank inside the KV-shared group (0 .. kv_replicator-1)."""
+    return _rank("kv")
+
+
+def get_kv_shared_group_size() -> int:
+    """KV-shared group size (= kv_replicator)."""
+    return _size("kv")
+
+
+def get_kv_replicator() -> int:
+    """The ``kv_replicator`` given to :func:`initialize_model_parallel` (1 without it)."""
+    state = _state()
+    return 1 if state is None else state.kv_replicator
+
+
+def get_group_ranks(name: str) -> list[int]:
+    """Global ranks of this rank's group ``name`` (``tp``, ``cp``, ``dp``, ``dp_cp``, ``pp``, ``mp``,
+    ``kv``); ``[0]`` without torch.distributed.
+
+    Raises:
+        ValueError: for an unknown group name.
+    """
+    if name not in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "kv"):
+        raise ValueError(f"get_group_ranks: unknown group {name!r}")
+    state = _state()
+    return [0] if state is None else list(state.ranks[name])

@@ -1,0 +1,104 @@
+"""``exp_manager``: log directory, loggers, text log files, checkpoint callback and resume (NeMo/NxDT semantics).
+
+Layout of a run directory (``explicit_log_dir``, else ``exp_dir/name``, default ``./nxd_lc_runs/<name>``)::
+
+    <log_dir>/
+      checkpoints/<tag>/{model,optim}/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt[.tensors/]  done  user_content.pt
+      tensorboard/events.out.tfevents.*           (create_tensorboard_logger)
+      nxd_lc_log_globalrank-<r>_localrank-<l>.txt (rank 0 only when log_local_rank_0_only, else every rank)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+from pytorch_lightning.loggers import Logger, TensorBoardLogger
+
+from nxd_lc.checkpoint import sharded
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.validate import ConfigError, resolve_path
+from nxd_lc.lightning.callbacks import NxDModelCheckpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ExpPaths:
+    """Directories of a run."""
+
+    log_dir: str  # run directory
+    checkpoint_dir: str  # <log_dir>/checkpoints
+
+
+def experiment_paths(cfg: NxdConfig) -> ExpPaths:
+    """The run's log and checkpoint directories from ``exp_manager`` (not created here)."""
+    em = cfg.exp_manager
+    if em.explicit_log_dir:
+        log_dir = resolve_path(em.explicit_log_dir)
+    else:
+        log_dir = os.path.join(resolve_path(em.exp_dir or "nxd_lc_runs"), em.name)
+    return ExpPaths(log_dir=log_dir, checkpoint_dir=os.path.join(log_dir, "checkpoints"))
+
+
+def setup_log_files(cfg: NxdConfig, paths: ExpPaths, global_rank: int, local_rank: int) -> Optional[str]:
+    """Attach a file handler to the ``nxd_lc`` logger (``log_local_rank_0_only`` decides which ranks write).
+
+    Returns:
+        The log file path of this rank, or None when this rank writes no file.
+    """
+    if cfg.exp_manager.log_local_rank_0_only and local_rank != 0:
+        return None
+    os.makedirs(paths.log_dir, exist_ok=True)
+    path = os.path.join(paths.log_dir, f"nxd_lc_log_globalrank-{global_rank}_localrank-{local_rank}.txt")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger("nxd_lc")
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)
+    return path
+
+
+def build_loggers(cfg: NxdConfig, paths: ExpPaths) -> list[Logger]:
+    """TensorBoard logger when ``create_tensorboard_logger`` (Lightning writes it from global rank 0)."""
+    if not cfg.exp_manager.create_tensorboard_logger:
+        return []
+    return [TensorBoardLogger(save_dir=paths.log_dir, name="tensorboard", version="", default_hp_metric=False)]
+
+
+def build_checkpoint_callback(cfg: NxdConfig, paths: ExpPaths) -> Optional[NxDModelCheckpoint]:
+    """The checkpoint callback from ``checkpoint_callback_params`` (None when create_checkpoint_callback is off)."""
+    if not cfg.exp_manager.create_checkpoint_callback:
+        return None
+    return NxDModelCheckpoint.from_config(cfg.exp_manager.checkpoint_callback_params, paths.checkpoint_dir)
+
+
+def resume_checkpoint_path(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
+    """The checkpoint directory to resume from, or None to start fresh.
+
+    ``resume_from_checkpoint`` wins; otherwise with ``resume_if_exists`` the newest *complete* checkpoint (one
+    with a ``done`` marker) under ``<log_dir>/checkpoints``. Staging directories of interrupted saves are never
+    picked.
+
+    Raises:
+        ConfigError: an explicit checkpoint is incomplete, or none exists and ``resume_ignore_no_checkpoint`` is
+            false.
+    """
+    em = cfg.exp_manager
+    if em.resume_from_checkpoint:
+        path = resolve_path(em.resume_from_checkpoint)
+        if not sharded.is_complete(path):
+            raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint (no "
+                               f"'done' marker); pick another tag under {os.path.dirname(path)}"])
+        return path
+    if not em.resume_if_exists:
+        return None
+    tag = sharded.latest_checkpoint(paths.checkpoint_dir) if os.path.isdir(paths.checkpoint_dir) else None
+    if tag is None:
+        if not em.resume_ignore_no_checkpoint:
+            raise ConfigError([f"exp_manager.resume_if_exists: no complete checkpoint under "
+                               f"{paths.checkpoint_dir}; set resume_ignore_no_checkpoint: true to start fresh"])
+        return None
+    return os.path.join(paths.checkpoint_dir, tag)

@@ -1,0 +1,144 @@
+"""The LightningModule for causal-LM pretraining over tensor/sequence-parallel Llama layers.
+
+Batch layout (from :mod:`nxd_lc.data`): ``input_ids``, ``labels``, ``position_ids``, each ``[B, S]`` long, where
+``labels[b, t]`` is the target of position ``t`` (already shifted) and ``-100`` marks tokens without a loss.
+
+Per micro-batch the loss is the mean over its labelled tokens; Lightning divides it by the number of
+accumulation steps, and gradients are averaged over the data-parallel group in :meth:`on_before_optimizer_step`
+(NxD semantics: mean over micro-batches and DP ranks). Before that hook, sequence-parallel norm gradients are
+all-reduced over TP and replicated KV-head gradients over the KV-shared group.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+import pytorch_lightning as pl
+import torch
+
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.distributed import collectives, grads
+from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.models.llama.model import causal_lm_loss
+from nxd_lc.optim import build_optimizer, build_scheduler
+
+
+class NxDLanguageModel(pl.LightningModule):
+    """Wraps a TP/SP decoder (``forward(input_ids, position_ids) -> logits_local [B, S, V/tp]``) for training.
+
+    Args:
+        cfg: the validated run config.
+        model: the decoder, already sharded for this rank.
+        consumed_samples_fn: returns the data module's consumed-sample count (logged, used in checkpoint names).
+        advance_samples_fn: called with ``global_batch_size`` after each optimizer step.
+    """
+
+    def __init__(self, cfg: NxdConfig, model: torch.nn.Module,
+                 consumed_samples_fn: Callable[[], int] = lambda: 0,
+                 advance_samples_fn: Callable[[int], None] = lambda n: None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = model
+        self._consumed_samples_fn = consumed_samples_fn
+        self._advance_samples_fn = advance_samples_fn
+        self._loss_acc: Optional[torch.Tensor] = None  # sum of micro-batch losses since the last step
+        self._loss_count = 0
+        self._grad_norm: Optional[torch.Tensor] = None
+        self._val_loss_sum: Optional[torch.Tensor] = None
+
+    # ---- forward / loss -------------------------------------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits shard ``[B, S, V/tp]`` for ``input_ids [B, S]``."""
+        return self.model(input_ids, position_ids)
+
+    def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-token losses fp32 scalar, number of labelled tokens) of one micro-batch."""
+        logits = self.model(batch["input_ids"], batch.get("position_ids"))
+        return causal_lm_loss(logits, batch["labels"])
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """Mean token loss of the micro-batch (fp32 scalar)."""
+        loss_sum, num_tokens = self._loss(batch)
+        loss = loss_sum / torch.clamp(torch.as_tensor(num_tokens, dtype=loss_sum.dtype), min=1.0)
+        detached = loss.detach()
+        self._loss_acc = detached if self._loss_acc is None else self._loss_acc + detached
+        self._loss_count += 1
+        return loss
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Accumulate token-weighted validation loss; reduced over DP in :meth:`on_validation_epoch_end`."""
+        loss_sum, num_tokens = self._loss(batch)
+        pair = torch.stack([loss_sum.detach().float(), torch.as_tensor(num_tokens, dtype=torch.float32)])
+        self._val_loss_sum = pair if self._val_loss_sum is None else self._val_loss_sum + pair
+
+    def on_validation_epoch_start(self) -> None:
+        self._val_loss_sum = None
+
+    def on_validation_epoch_end(self) -> None:
+        """Log ``val_loss``: token-weighted mean over all validation batches of all DP ranks."""
+        pair = self._val_loss_sum if self._val_loss_sum is not None else torch.zeros(2)
+        pair = collectives.all_reduce(pair.clone(), ps.get_data_parallel_group(with_context_parallel=True))
+        val_loss = pair[0] / torch.clamp(pair[1], min=1.0)
+        self.log("val_loss", val_loss, prog_bar=True, rank_zero_only=False, sync_dist=False)
+
+    # ---- optimizer step -------------------------------------------------------------------------------------
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        """Parameters with ``requires_grad`` (the ones reduced, clipped and stepped)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Reduce gradients (SP norms over TP, KV replicas, then DP mean) and compute the global grad norm."""
+        grads.allreduce_sequence_parallel_gradients(self.model)
+        grads.allreduce_kv_replica_gradients(self.model)
+        params = self.trainable_parameters()
+        grads.allreduce_data_parallel_gradients(params, with_context_parallel=True)
+        need_norm = self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
+        self._grad_norm = grads.global_grad_norm(params) if need_norm else None
+
+    def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
+                                    gradient_clip_val: Optional[float] = None,
+                                    gradient_clip_algorithm: Optional[str] = None) -> None:
+        """Clip by the global 2-norm over TP/PP/DP computed in :meth:`on_before_optimizer_step`.
+
+        Parameters replicated over TP are counted once (see :func:`nxd_lc.distributed.grads.global_grad_norm`);
+        the coefficient is ``max_norm / (norm + 1e-6)`` as in ``torch.nn.utils.clip_grad_norm_``.
+        """
+        if not gradient_clip_val or self._grad_norm is None:
+            return
+        coef = torch.clamp(gradient_clip_val / (self._grad_norm + 1e-6), max=1.0)
+        for p in self.trainable_parameters():
+            if p.grad is not None:
+                p.grad.mul_(coef.to(p.grad.dtype))
+
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
+                       optimizer_closure: Optional[Callable[[], Any]] = None) -> None:
+        """Step, then advance consumed samples and log the step's metrics."""
+        super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        self._advance_samples_fn(self.cfg.data.global_batch_size)
+        self._log_step_metrics(optimizer)
+
+    def _log_step_metrics(self, optimizer: Any) -> None:
+        em = self.cfg.exp_manager
+        if self._loss_acc is not None:
+            loss = self._loss_acc / max(self._loss_count, 1)
+            loss = collectives.all_reduce(loss.clone(), ps.get_data_parallel_group(with_context_parallel=True))
+            loss = loss / ps.get_data_parallel_world_size(with_context_parallel=True)
+            self.log("reduced_train_loss", loss, prog_bar=True, rank_zero_only=False)
+        self._loss_acc, self._loss_count = None, 0
+        self.log("lr", torch.tensor(optimizer.param_groups[0]["lr"]), prog_bar=True, rank_zero_only=False)
+        self.log("consumed_samples", torch.tensor(float(self._consumed_samples_fn())), prog_bar=False,
+                 rank_zero_only=False)
+        self.log("global_step", torch.tensor(float(self.trainer.global_step)), rank_zero_only=False)
+        if em.log_gradient_norm and self._grad_norm is not None:
+            self.log("gradient_norm", self._grad_norm, prog_bar=True, rank_zero_only=False)
+        if em.log_parameter_norm:
+            self.log("parameter_norm", grads.global_param_norm(self.trainable_parameters()), rank_zero_only=False)
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """Optimizer and per-step LR scheduler from ``model.optim`` (NeMo names)."""
+        m = self.cfg.model
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        optimizer = build_optimizer(named, m.optim, m.do_layer_norm_weight_decay)
+        scheduler = build_scheduler(optimizer, m.optim.sched, self.cfg.trainer.max_steps)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+

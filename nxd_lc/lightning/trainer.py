@@ -1,0 +1,55 @@
+"""Assemble Lightning's Trainer from the typed config."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytorch_lightning as pl
+
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.validate import data_parallel_size, seq_length
+from nxd_lc.lightning.callbacks import ThroughputLogger
+from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
+from nxd_lc.lightning.strategy import NxDStrategy
+from nxd_lc.runtime.device import RuntimeInfo
+
+
+def gradient_accumulation_steps(cfg: NxdConfig) -> int:
+    """global_batch_size / (micro_batch_size * DP) — validated to be an integer."""
+    return cfg.data.global_batch_size // (cfg.data.micro_batch_size * data_parallel_size(cfg))
+
+
+def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overrides: Any) -> pl.Trainer:
+    """A ``pl.Trainer`` honouring ``trainer.*`` and ``exp_manager.*``.
+
+    Gradient accumulation comes from ``global_batch_size``; Lightning's distributed sampler is off (the data
+    module slices by DP rank); precision is fp32 ("32-true") until the precision issue.
+
+    Args:
+        cfg: validated config.
+        runtime: the initialised device/process-group info.
+        paths: run directories from :func:`experiment_paths`.
+        **overrides: extra ``pl.Trainer`` keyword arguments (tests).
+    """
+    t = cfg.trainer
+    callbacks: list[pl.Callback] = [ThroughputLogger(cfg.data.global_batch_size, seq_length(cfg) or 0)]
+    ckpt = build_checkpoint_callback(cfg, paths)
+    if ckpt is not None:
+        callbacks.append(ckpt)
+    loggers = build_loggers(cfg, paths)
+    em = cfg.exp_manager
+    strategy = NxDStrategy(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
+                           process_group_backend=runtime.backend)
+    kwargs: dict[str, Any] = dict(
+        accelerator=runtime.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+        max_epochs=t.max_epochs, max_steps=t.max_steps, log_every_n_steps=t.log_every_n_steps,
+        val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
+        num_sanity_val_steps=t.num_sanity_val_steps, limit_val_batches=t.limit_val_batches,
+        limit_test_batches=t.limit_test_batches, gradient_clip_val=t.gradient_clip_val,
+        accumulate_grad_batches=gradient_accumulation_steps(cfg), precision="32-true",
+        logger=loggers if loggers else False, callbacks=callbacks, enable_checkpointing=ckpt is not None,
+        use_distributed_sampler=False, enable_progress_bar=t.enable_progress_bar,
+        enable_model_summary=False, default_root_dir=paths.log_dir,
+    )
+    kwargs.update(overrides)
+    return pl.Trainer(**kwargs)

@@ -1,0 +1,52 @@
+"""RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), computed in float32.
+
+Shapes: x [..., H] (e.g. [B, S, H], or [B, S/tp, H] under sequence parallelism) -> same shape and dtype.
+
+``y = weight * x / sqrt(mean(x^2, -1) + eps)``; the normalisation and the weight multiply are done in
+float32 and the result is cast back to x's dtype (HF ``LlamaRMSNorm`` normalises in fp32 too; it
+multiplies the weight after casting back, which is identical in fp32).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+__all__ = ["RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square layer norm over the last dim.
+
+    Args:
+        hidden_size: H, size of the normalised (last) dim.
+        eps: added to the mean square before the rsqrt.
+        sequence_parallel_enabled: mark ``weight`` with ``sequence_parallel_enabled = True`` so its
+            gradient is all-reduced over the TP group (each rank only sees S/tp tokens).
+        dtype, device: of the weight (initialised to ones).
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-6,
+        sequence_parallel_enabled: bool = False,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        super().__init__()
+        if hidden_size <= 0 or eps < 0:
+            raise ValueError(f"RMSNorm needs hidden_size > 0 and eps >= 0, got {hidden_size}, {eps}")
+        self.hidden_size = hidden_size
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.weight.sequence_parallel_enabled = sequence_parallel_enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H], x's dtype."""
+        x32 = x.float()
+        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * y).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"

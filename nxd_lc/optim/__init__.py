@@ -1,0 +1,22 @@
+"""Optimizers and learning-rate schedules by NeMo / NxDT name (``model.optim``, ``model.optim.sched``)."""
+
+from nxd_lc.optim.optimizers import OPTIMIZER_BUILDERS, build_optimizer, is_no_decay_param, param_groups
+from nxd_lc.optim.schedulers import (
+    SCHEDULE_NAMES,
+    build_scheduler,
+    constant_lr,
+    cosine_annealing_lr,
+    linear_annealing_with_warmup_lr,
+)
+
+__all__ = [
+    "OPTIMIZER_BUILDERS",
+    "SCHEDULE_NAMES",
+    "build_optimizer",
+    "build_scheduler",
+    "constant_lr",
+    "cosine_annealing_lr",
+    "is_no_decay_param",
+    "linear_annealing_with_warmup_lr",
+    "param_groups",
+]

@@ -1,0 +1,188 @@
+"""Optimizer registry by NeMo name (``model.optim.name``) and weight-decay parameter groups.
+
+Names follow NeMo / NxDT (``nemo.core.optim.optimizers.AVAILABLE_OPTIMIZERS`` plus NxD's
+``adamw_fp32OptState``). Each builder receives the parameter groups of :func:`param_groups` and the typed
+:class:`~nxd_lc.config.schema.OptimConfig`; a key that a builder cannot honour is an error, never ignored.
+
+Weight-decay groups follow NeMo's Megatron rule (``nemo/collections/nlp/modules/common/megatron/utils.py``,
+``get_params_for_weight_decay_optimization`` / ``get_all_params_for_weight_decay_optimization``, selected by
+``model.do_layer_norm_weight_decay`` in ``MegatronBaseModel.setup_optimizer_param_groups``):
+
+* ``do_layer_norm_weight_decay: true``  -> every parameter gets ``model.optim.weight_decay``;
+* ``do_layer_norm_weight_decay: false`` -> parameters of normalisation modules and biases get 0.
+
+NeMo decides "normalisation module" by module type (FusedLayerNorm, MixedFusedRMSNorm, ...); this module only
+sees ``(name, parameter)`` pairs, so it decides by name and shape (:func:`is_no_decay_param`). NxDT's HF path
+differs from NeMo (``BaseHfModel.setup_optimizer_param_groups``): it *adds* ``"LayerNorm"`` to the no-decay list
+when the flag is true (the inverse of its name; Llama norms are not named ``LayerNorm`` so it has no effect there)
+and hard-codes weight_decay 0.01 for the decayed group. nxd_lc follows NeMo and honours
+``model.optim.weight_decay``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+from nxd_lc.config.schema import OptimConfig
+from nxd_lc.config.validate import OPTIMIZERS
+
+ParamGroup = dict[str, Any]
+
+
+def is_no_decay_param(name: str, param: torch.Tensor) -> bool:
+    """True when ``param`` is a bias or a normalisation weight (excluded from weight decay in NeMo).
+
+    Rule: the last dotted component of ``name`` ends with ``bias`` (NeMo: ``name.endswith('bias')``), or any
+    dotted component contains ``norm`` (case-insensitive: ``input_layernorm``, ``post_attention_layernorm``,
+    ``norm``, ``q_norm``, ``LayerNorm``), or the parameter is 1-D (norm scales and biases are the only 1-D
+    parameters of Llama-family decoders; this also catches norms named otherwise, e.g. ``ln_f``).
+
+    Args:
+        name: dotted parameter name as given by ``Module.named_parameters()``.
+        param: the parameter (only its ``ndim`` is read).
+    """
+    parts = name.split(".")
+    if parts[-1].endswith("bias"):
+        return True
+    if any("norm" in part.lower() for part in parts):
+        return True
+    return param.ndim == 1
+
+
+def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_decay: float,
+                 do_layer_norm_weight_decay: bool) -> list[ParamGroup]:
+    """Split trainable parameters into optimizer parameter groups by weight decay.
+
+    Only parameters with ``requires_grad`` are kept; a parameter object given twice (tied weights) is kept
+    once, under its first name. Empty groups are dropped. Each group carries ``params``, ``weight_decay``,
+    ``group_name`` (``"decay"`` / ``"no_decay"``) and ``param_names`` (names in ``params`` order, for
+    logging and checkpoint mapping; torch keeps extra group keys in ``state_dict()``).
+
+    Args:
+        named_params: ``(name, parameter)`` pairs, e.g. ``model.named_parameters()``.
+        weight_decay: ``model.optim.weight_decay`` for the decayed group.
+        do_layer_norm_weight_decay: True -> one group, all parameters decayed (NeMo
+            ``get_all_params_for_weight_decay_optimization``); False -> biases and norm weights get 0.
+
+    Raises:
+        ValueError: no parameter requires grad.
+    """
+    decay: list[tuple[str, torch.nn.Parameter]] = []
+    no_decay: list[tuple[str, torch.nn.Parameter]] = []
+    seen: set[int] = set()
+    for name, param in named_params:
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        if not do_layer_norm_weight_decay and is_no_decay_param(name, param):
+            no_decay.append((name, param))
+        else:
+            decay.append((name, param))
+    if not decay and not no_decay:
+        raise ValueError("build_optimizer: no parameter requires grad; nothing to optimize (check that the "
+                         "model was built and its parameters are not all frozen)")
+    groups = []
+    for group_name, members, wd in (("decay", decay, weight_decay), ("no_decay", no_decay, 0.0)):
+        if members:
+            groups.append({"params": [p for _, p in members], "param_names": [n for n, _ in members],
+                           "weight_decay": float(wd), "group_name": group_name})
+    return groups
+
+
+def _check_adam_family(name: str, cfg: OptimConfig) -> tuple[float, float]:
+    if len(cfg.betas) != 2:
+        raise ValueError(f"model.optim.betas: {name} needs two values [beta1, beta2], got {list(cfg.betas)}")
+    if cfg.momentum != 0.0:
+        raise ValueError(f"model.optim.momentum: {cfg.momentum} is an SGD setting and {name} has no momentum "
+                         f"term (it uses model.optim.betas); remove model.optim.momentum or use name: sgd")
+    return float(cfg.betas[0]), float(cfg.betas[1])
+
+
+def _adamw(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.AdamW: decoupled weight decay (Loshchilov & Hutter, arXiv:1711.05101)."""
+    betas = _check_adam_family("adamw", cfg)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             capturable=cfg.capturable)
+
+
+def _adamw_fp32_opt_state(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """NxD's ``adamw_fp32OptState``: AdamW whose moments (exp_avg, exp_avg_sq) are kept in fp32.
+
+    torch.optim.AdamW keeps its state in the parameter dtype, so with fp32 parameters (the only precision
+    mode implemented now) this is exactly AdamW with fp32 state. With bf16 parameters NxD keeps fp32 moments
+    beside bf16 params; that variant comes with the precision issue and is refused here rather than silently
+    run with bf16 moments.
+
+    Raises:
+        ValueError: a parameter is not float32.
+    """
+    for group in groups:
+        for name, p in zip(group["param_names"], group["params"]):
+            if p.dtype != torch.float32:
+                raise ValueError(f"model.optim.name=adamw_fp32OptState: parameter {name!r} is {p.dtype}; fp32 "
+                                 f"optimizer state for non-fp32 parameters is not supported yet (precision "
+                                 f"issue); use precision.type: fp32 (fp32 parameters)")
+    betas = _check_adam_family("adamw_fp32OptState", cfg)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                             capturable=cfg.capturable)
+
+
+def _adam(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Adam (Kingma & Ba, arXiv:1412.6980); weight_decay is L2 (added to the gradient)."""
+    betas = _check_adam_family("adam", cfg)
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                            capturable=cfg.capturable)
+
+
+def _sgd(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.SGD with ``model.optim.momentum`` (heavy ball); weight_decay is L2.
+
+    Raises:
+        ValueError: ``model.optim.capturable`` is true (SGD has no capturable mode).
+    """
+    if cfg.capturable:
+        raise ValueError("model.optim.capturable: true applies to adam / adamw only; set it to false for sgd")
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+#: NeMo optimizer name -> builder(param_groups, OptimConfig). Must match validate.IMPLEMENTED_OPTIMIZERS.
+OPTIMIZER_BUILDERS: dict[str, Callable[[list[ParamGroup], OptimConfig], torch.optim.Optimizer]] = {
+    "adamw": _adamw,
+    "adamw_fp32OptState": _adamw_fp32_opt_state,
+    "adam": _adam,
+    "sgd": _sgd,
+}
+
+
+def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], optim_cfg: OptimConfig,
+                    do_layer_norm_weight_decay: bool) -> torch.optim.Optimizer:
+    """Build the optimizer named by ``model.optim.name`` over the trainable parameters.
+
+    Args:
+        named_params: ``(name, parameter)`` pairs (this rank's shards under TP); frozen ones are skipped.
+        optim_cfg: ``model.optim`` (lr, weight_decay, betas, eps, momentum, capturable are used; ``sched`` is
+            read by :func:`nxd_lc.optim.schedulers.build_scheduler`).
+        do_layer_norm_weight_decay: ``model.do_layer_norm_weight_decay`` (see :func:`param_groups`).
+
+    Returns:
+        A torch optimizer whose groups are those of :func:`param_groups`, each with ``lr = optim_cfg.lr``.
+
+    Raises:
+        ValueError: ``not supported yet: model.optim.name=<x>`` for NeMo names without an implementation yet;
+            ``unknown optimizer`` for other names; a setting the optimizer cannot honour; no trainable params.
+    """
+    name = optim_cfg.name
+    if name not in OPTIMIZER_BUILDERS:
+        if name in OPTIMIZERS:
+            raise ValueError(f"not supported yet: model.optim.name={name}; implemented: "
+                             f"{', '.join(OPTIMIZER_BUILDERS)}")
+        raise ValueError(f"model.optim.name: unknown optimizer {name!r}; choose one of "
+                         f"{', '.join(OPTIMIZER_BUILDERS)}")
+    if optim_cfg.lr < 0 or optim_cfg.weight_decay < 0:
+        raise ValueError(f"model.optim.lr / model.optim.weight_decay: must be >= 0, got lr={optim_cfg.lr}, "
+                         f"weight_decay={optim_cfg.weight_decay}")
+    groups = param_groups(named_params, optim_cfg.weight_decay, do_layer_norm_weight_decay)
+    return OPTIMIZER_BUILDERS[name](groups, optim_cfg)

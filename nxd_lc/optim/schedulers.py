@@ -1,0 +1,162 @@
+"""Learning-rate schedules by NeMo / NxDT name (``model.optim.sched.name``), as ``LambdaLR``.
+
+``step`` below is the number of optimizer steps taken so far (``LambdaLR.last_epoch``: 0 at construction,
++1 per ``scheduler.step()``, which Lightning calls after each optimizer step). ``lr`` is the group's initial
+learning rate (``model.optim.lr``), ``W`` = ``warmup_steps``, ``C`` = ``constant_steps``, ``M`` =
+``max_steps`` and ``min_lr`` an absolute learning rate. Each ``*_lr`` function returns an absolute learning
+rate; the ``LambdaLR`` factor is that value divided by the group's initial lr.
+
+The factors are closures (plain functions), so ``LambdaLR.state_dict()`` stores only the step counter:
+on resume the schedule comes from the current config (a changed ``max_steps`` takes effect) and the step
+from the checkpoint.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.optim.lr_scheduler import LambdaLR
+
+from nxd_lc.config.schema import SchedConfig
+from nxd_lc.config.validate import SCHEDULERS
+
+
+def linear_annealing_with_warmup_lr(step: int, lr: float, warmup_steps: int, max_steps: int,
+                                    min_lr: float = 0.0) -> float:
+    """NxDT ``LinearAnnealingWithWarmUp``: linear warm-up from 0, then linear decay to ``min_lr`` at M.
+
+    Formula (NxDT ``neuronx_distributed_training/optim/lr_schedulers.py``, which calls transformers'
+    ``_get_linear_schedule_with_warmup_lr_lambda``)::
+
+        step <  W : lr * step / max(1, W)
+        step >= W : min_lr + (lr - min_lr) * max(0, (M - step) / max(1, M - W))
+
+    With ``min_lr = 0`` (NxDT has no min_lr for this schedule) this is NxDT's formula exactly; a positive
+    ``min_lr`` is a floor reached at M, as in Megatron's linear decay style
+    (``megatron/core/optimizer_param_scheduler.py``: ``min_lr + (max_lr - min_lr) * (1 - decay_ratio)``).
+    """
+    if step < warmup_steps:
+        return lr * step / max(1, warmup_steps)
+    remaining = max(0.0, (max_steps - step) / max(1, max_steps - warmup_steps))
+    return min_lr + (lr - min_lr) * remaining
+
+
+def cosine_annealing_lr(step: int, lr: float, warmup_steps: int, max_steps: int, min_lr: float = 0.0,
+                        constant_steps: int = 0) -> float:
+    """NeMo ``CosineAnnealing`` (``nemo/core/optim/lr_scheduler.py``), both of its branches.
+
+    ``constant_steps == 0`` (``WarmupAnnealHoldPolicy._get_warmup_lr`` + ``_cosine_annealing``)::
+
+        0 < W and step <= W : lr * (step + 1) / (W + 1)
+        step > M            : min_lr
+        otherwise           : min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * (step - W) / (M - W)))
+
+    ``constant_steps > 0`` (``_linear_warmup_with_cosine_annealing``, Megatron-style), with
+    ``D = M - C - W`` decay steps; the C constant steps come at the END, held at ``min_lr``::
+
+        0 < W and step <= W : lr * step / W
+        step > W + D        : min_lr
+        otherwise           : min_lr + (lr - min_lr) * 0.5 * (1 + cos(pi * (step - W) / D))
+    """
+    if constant_steps == 0:
+        if 0 < warmup_steps and step <= warmup_steps:
+            return lr * (step + 1) / (warmup_steps + 1)
+        if step > max_steps:
+            return min_lr
+        progress = (step - warmup_steps) / max(1, max_steps - warmup_steps)
+        return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    decay_steps = max_steps - constant_steps - warmup_steps
+    if 0 < warmup_steps and step <= warmup_steps:
+        return lr * step / warmup_steps
+    if step > warmup_steps + decay_steps:
+        return min_lr
+    progress = (step - warmup_steps) / max(1, decay_steps)
+    return min_lr + (lr - min_lr) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def constant_lr(step: int, lr: float, warmup_steps: int, max_steps: int, min_lr: float = 0.0) -> float:
+    """``Constant``: NeMo's ``WarmupPolicy`` (its constant policy, ``nemo/core/optim/lr_scheduler.py``)::
+
+        0 < W and step <= W : lr * (step + 1) / (W + 1)
+        step > M            : min_lr
+        otherwise           : lr
+    """
+    if 0 < warmup_steps and step <= warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if step > max_steps:
+        return min_lr
+    return lr
+
+
+def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
+    """Raise ValueError naming the key for schedule settings no formula above can honour."""
+    name = sched_cfg.name
+    if max_steps < 1:
+        raise ValueError(f"model.optim.sched.max_steps: schedule length must be >= 1, got {max_steps} "
+                         f"(set model.optim.sched.max_steps or trainer.max_steps)")
+    if sched_cfg.warmup_steps < 0 or sched_cfg.constant_steps < 0:
+        raise ValueError(f"model.optim.sched.warmup_steps / constant_steps: must be >= 0, got "
+                         f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps}")
+    if sched_cfg.warmup_steps + sched_cfg.constant_steps > max_steps:
+        raise ValueError(f"model.optim.sched.warmup_steps: warmup {sched_cfg.warmup_steps} + constant "
+                         f"{sched_cfg.constant_steps} exceeds the schedule length {max_steps}")
+    if sched_cfg.constant_steps and name != "CosineAnnealing":
+        raise ValueError(f"model.optim.sched.constant_steps: only CosineAnnealing has constant steps; "
+                         f"remove it for {name}")
+    if sched_cfg.min_lr < 0 or any(sched_cfg.min_lr > lr for lr in lrs):
+        raise ValueError(f"model.optim.sched.min_lr: {sched_cfg.min_lr} must be >= 0 and <= model.optim.lr "
+                         f"{min(lrs) if lrs else '?'}")
+
+
+def _lr_fn(sched_cfg: SchedConfig, max_steps: int) -> Callable[[int, float], float]:
+    """Absolute-lr function ``f(step, lr)`` of the named schedule."""
+    w, m, c, lo = sched_cfg.warmup_steps, max_steps, sched_cfg.constant_steps, sched_cfg.min_lr
+    if sched_cfg.name == "LinearAnnealingWithWarmUp":
+        return lambda step, lr: linear_annealing_with_warmup_lr(step, lr, w, m, lo)
+    if sched_cfg.name == "CosineAnnealing":
+        return lambda step, lr: cosine_annealing_lr(step, lr, w, m, lo, c)
+    return lambda step, lr: constant_lr(step, lr, w, m, lo)
+
+
+def _factor(lr_fn: Callable[[int, float], float], base_lr: float) -> Callable[[int], float]:
+    """LambdaLR factor ``lr_fn(step, base_lr) / base_lr`` (0 when base_lr is 0)."""
+    def factor(step: int) -> float:
+        return lr_fn(step, base_lr) / base_lr if base_lr > 0 else 0.0
+    return factor
+
+
+#: Implemented schedule names. Must match validate.IMPLEMENTED_SCHEDULERS.
+SCHEDULE_NAMES: tuple[str, ...] = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: SchedConfig, max_steps: int) -> LambdaLR:
+    """Build the ``LambdaLR`` for ``model.optim.sched`` (one factor per parameter group).
+
+    Args:
+        optimizer: the optimizer; each group's ``initial_lr`` (else ``lr``) is its peak learning rate.
+        sched_cfg: ``model.optim.sched``; ``sched_cfg.max_steps`` overrides ``max_steps`` when set.
+        max_steps: schedule length in optimizer steps when ``sched_cfg.max_steps`` is None (usually
+            ``trainer.max_steps``).
+
+    Returns:
+        ``LambdaLR`` to be stepped once per optimizer step (Lightning ``interval: step``).
+
+    Raises:
+        ValueError: ``not supported yet: model.optim.sched.name=<x>`` for NeMo names without an
+            implementation yet; ``unknown schedule`` for other names; a setting the schedule cannot honour
+            (negative steps, warmup + constant > length, constant_steps outside CosineAnnealing, min_lr > lr).
+    """
+    name = sched_cfg.name
+    if name not in SCHEDULE_NAMES:
+        if name in SCHEDULERS:
+            raise ValueError(f"not supported yet: model.optim.sched.name={name}; implemented: "
+                             f"{', '.join(SCHEDULE_NAMES)}")
+        raise ValueError(f"model.optim.sched.name: unknown schedule {name!r}; choose one of "
+                         f"{', '.join(SCHEDULE_NAMES)}")
+    length = sched_cfg.max_steps if sched_cfg.max_steps is not None else max_steps
+    base_lrs = [float(g.get("initial_lr", g["lr"])) for g in optimizer.param_groups]
+    _check(sched_cfg, length, base_lrs)
+    lr_fn = _lr_fn(sched_cfg, length)
+    return LambdaLR(optimizer, [_factor(lr_fn, base) for base in base_lrs])

@@ -1,0 +1,140 @@
+"""The training job: validated config -> runtime/env -> parallel state -> model -> weights -> data -> fit.
+
+``train.py`` at the repository root is a thin ``@hydra.main`` that calls :func:`run`. The assembly order is fixed
+(DESIGN.md principle 4) and nothing in the config is changed from environment variables.
+
+Dry run: ``python train.py --config-name X +dry_run=true`` validates the config (schema and cross-field rules for
+its own world size ``trainer.devices * trainer.num_nodes``), prints the resolved config, the environment it would
+set and any key whose feature is not supported yet, and exits without building anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Mapping, Optional
+
+import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
+
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.validate import (ConfigError, check_supported, data_parallel_size, load_config, path_problems,
+                                    resolve_path, seq_length, unsupported_features)
+from nxd_lc.runtime.env import apply_env, format_env_table
+
+log = logging.getLogger("nxd_lc.train")
+
+
+def _setup_console_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
+    logging.getLogger("nxd_lc").setLevel(logging.INFO)
+
+
+def dry_run(cfg: NxdConfig) -> str:
+    """Report for ``+dry_run=true``: resolved config, environment table, not-yet-supported keys, missing paths."""
+    env = dict(os.environ)  # a copy: the dry run changes nothing
+    table = format_env_table(apply_env(cfg, environ=env))
+    ds = cfg.distributed_strategy
+    lines = ["# nxd_lc dry run: config is valid", OmegaConf.to_yaml(OmegaConf.structured(asdict(cfg))),
+             f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
+             f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
+             f" seq_length {seq_length(cfg)}",
+             "# environment it would set (variables already set in the environment win):", table]
+    problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
+    if problems:
+        lines.append("# launching this config would stop with:")
+        lines += [f"#   - {p}" for p in problems]
+    return "\n".join(lines)
+
+
+def _build_model(cfg: NxdConfig) -> Any:
+    from nxd_lc.models.llama.hf_adapter import load_hf_weights
+    from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
+
+    m, ds = cfg.model, cfg.distributed_strategy
+    overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
+                 "max_position_embeddings": m.max_position_embeddings, "encoder_seq_length": m.encoder_seq_length}
+    hf_config = build_llama_config(resolve_path(m.model_config or ""), {k: v for k, v in overrides.items()
+                                                                        if v is not None})
+    model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
+                             fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
+                             flash_attention=m.fusions.flash_attention,
+                             use_cpu_initialization=m.use_cpu_initialization)
+    if m.hf_weights_dir:
+        load_hf_weights(model, resolve_path(m.hf_weights_dir))
+    return hf_config, model
+
+
+def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[str, Any]] = None) -> Any:
+    """Run the job described by ``raw`` (a composed Hydra config). Returns the Trainer (None on dry run).
+
+    Raises:
+        ConfigError: any config problem, all listed, before anything is built.
+    """
+    _setup_console_logging()
+    from nxd_lc.runtime.device import launched_world_size
+
+    is_dry = bool(OmegaConf.select(OmegaConf.create(raw) if not isinstance(raw, DictConfig) else raw,
+                                   "dry_run", default=False))
+    cfg = load_config(raw, world_size=None if is_dry else launched_world_size(), check_paths=not is_dry)
+    if cfg.dry_run:
+        print(dry_run(cfg))
+        return None
+    check_supported(cfg)
+    return _fit(cfg, trainer_overrides or {})
+
+
+def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
+    from nxd_lc.data.datamodule import PretrainingDataModule
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.lightning import exp_manager
+    from nxd_lc.lightning.module import NxDLanguageModel
+    from nxd_lc.lightning.trainer import build_trainer
+    from nxd_lc.runtime.device import init_distributed, resolve_accelerator
+
+    env_entries = apply_env(cfg)  # before any runtime initialises
+    runtime = init_distributed(resolve_accelerator(cfg.trainer.accelerator))
+    ds = cfg.distributed_strategy
+    ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
+                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
+    paths = exp_manager.experiment_paths(cfg)
+    exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
+    if runtime.rank == 0:
+        log.info("effective environment:\n%s", format_env_table(env_entries))
+        log.info("log dir: %s", paths.log_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    hf_config, model = _build_model(cfg)
+    model.to(runtime.device)
+    data = PretrainingDataModule(
+        cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=hf_config.vocab_size,
+        data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=ps.get_data_parallel_world_size(),
+        global_batch_size=cfg.data.global_batch_size)
+    module = NxDLanguageModel(cfg, model, consumed_samples_fn=lambda: data.consumed_samples,
+                              advance_samples_fn=data.advance)
+    ckpt_path = exp_manager.resume_checkpoint_path(cfg, paths)
+    if ckpt_path and runtime.rank == 0:
+        log.info("resuming from %s", ckpt_path)
+    trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    return trainer
+
+
+def hydra_defaults() -> list[str]:
+    """Hydra overrides nxd_lc adds unless given: no output sub-dir, no chdir, no Hydra log files.
+
+    The run directory is ``exp_manager``'s; Hydra's own per-run directory would be a second, per-rank one.
+    """
+    return ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def hydra_task(raw: DictConfig) -> None:
+    """The ``@hydra.main`` body: run, turning a ConfigError into a message and exit status 2."""
+    try:
+        run(raw)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

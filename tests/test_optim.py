@@ -1,0 +1,292 @@
+"""Optimizer registry, weight-decay groups and LR schedules (nxd_lc.optim) against hand-computed values."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from nxd_lc.config.schema import OptimConfig, SchedConfig
+from nxd_lc.config.validate import IMPLEMENTED_OPTIMIZERS, IMPLEMENTED_SCHEDULERS, OPTIMIZERS, SCHEDULERS
+from nxd_lc.optim import (
+    OPTIMIZER_BUILDERS,
+    SCHEDULE_NAMES,
+    build_optimizer,
+    build_scheduler,
+    constant_lr,
+    cosine_annealing_lr,
+    is_no_decay_param,
+    linear_annealing_with_warmup_lr,
+    param_groups,
+)
+
+
+class _Block(nn.Module):
+    """Llama-like names: a 2-D weight, a biased projection, norms (1-D), and a frozen buffer-like param."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(5, 3)
+        self.input_layernorm = nn.Module()
+        self.input_layernorm.weight = nn.Parameter(torch.ones(3))
+        self.o_proj = nn.Linear(3, 3, bias=True)
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(3))
+        self.frozen = nn.Parameter(torch.ones(3, 3), requires_grad=False)
+
+
+DECAYED = {"embed_tokens.weight", "o_proj.weight"}
+NOT_DECAYED = {"input_layernorm.weight", "o_proj.bias", "norm.weight"}
+
+
+def _names(group: dict) -> set[str]:
+    return set(group["param_names"])
+
+
+def _lr_trajectory(sched_cfg: SchedConfig, max_steps: int, num_steps: int, lr: float = 1.0) -> list[float]:
+    """lr of group 0 after 0, 1, ..., num_steps scheduler steps."""
+    model = _Block()
+    opt = build_optimizer(model.named_parameters(), OptimConfig(name="sgd", lr=lr), False)
+    sched = build_scheduler(opt, sched_cfg, max_steps)
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(num_steps):
+        opt.step()
+        sched.step()
+        assert opt.param_groups[0]["lr"] == pytest.approx(opt.param_groups[-1]["lr"])
+        lrs.append(opt.param_groups[0]["lr"])
+    return lrs
+
+
+# ---------------------------------------------------------------------------------------------- param groups
+
+@pytest.mark.parametrize("name,shape,expected", [
+    ("layers.0.input_layernorm.weight", (4,), True),
+    ("layers.0.post_attention_layernorm.weight", (4,), True),
+    ("model.norm.weight", (4,), True),
+    ("encoder.LayerNorm.weight", (4,), True),
+    ("layers.0.self_attn.o_proj.bias", (4,), True),
+    ("ln_f.weight", (4,), True),  # 1-D
+    ("layers.0.self_attn.o_proj.weight", (4, 4), False),
+    ("embed_tokens.weight", (8, 4), False),
+    ("lm_head.weight", (8, 4), False),
+])
+def test_is_no_decay_param(name: str, shape: tuple[int, ...], expected: bool) -> None:
+    assert is_no_decay_param(name, torch.empty(shape)) is expected
+
+
+def test_groups_exclude_norms_and_biases_only_when_flag_false() -> None:
+    model = _Block()
+    groups = param_groups(model.named_parameters(), 0.1, do_layer_norm_weight_decay=False)
+    by_name = {g["group_name"]: g for g in groups}
+    assert _names(by_name["decay"]) == DECAYED and by_name["decay"]["weight_decay"] == 0.1
+    assert _names(by_name["no_decay"]) == NOT_DECAYED and by_name["no_decay"]["weight_decay"] == 0.0
+
+    groups = param_groups(model.named_parameters(), 0.1, do_layer_norm_weight_decay=True)
+    assert len(groups) == 1
+    assert _names(groups[0]) == DECAYED | NOT_DECAYED and groups[0]["weight_decay"] == 0.1  # frozen excluded
+
+
+def test_groups_dedupe_tied_and_drop_empty() -> None:
+    shared = nn.Parameter(torch.ones(2, 2))
+    groups = param_groups([("a.weight", shared), ("b.weight", shared)], 0.01, False)
+    assert len(groups) == 1 and groups[0]["param_names"] == ["a.weight"]
+
+
+def test_no_trainable_params_errors() -> None:
+    frozen = nn.Parameter(torch.ones(2), requires_grad=False)
+    with pytest.raises(ValueError, match="no parameter requires grad"):
+        build_optimizer([("w", frozen)], OptimConfig(), False)
+
+
+# ----------------------------------------------------------------------------------------------- optimizers
+
+def _one_step_zero_grad(name: str, do_ln_wd: bool) -> dict[str, torch.Tensor]:
+    """Params after one step with zero grads, lr 0.1, weight_decay 0.5: only weight decay moves them."""
+    torch.manual_seed(0)
+    model = _Block()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.rand_like(p) + 0.5)  # positive, away from 0
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = OptimConfig(name=name, lr=0.1, weight_decay=0.5, momentum=0.9 if name == "sgd" else 0.0)
+    opt = build_optimizer(model.named_parameters(), cfg, do_ln_wd)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    return {n: (before[n], p.detach()) for n, p in model.named_parameters()}  # type: ignore[misc]
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_fp32OptState", "sgd"])
+def test_weight_decay_applied_per_group(name: str) -> None:
+    # AdamW (decoupled): p *= 1 - lr * wd = 0.95 with a zero grad. SGD (L2, first momentum step): grad = wd * p,
+    # p -= lr * wd * p -> 0.95 p as well. No-decay params do not move.
+    out = _one_step_zero_grad(name, do_ln_wd=False)
+    for n in DECAYED:
+        before, after = out[n]
+        torch.testing.assert_close(after, before * 0.95)
+    for n in NOT_DECAYED:
+        before, after = out[n]
+        torch.testing.assert_close(after, before)
+    out = _one_step_zero_grad(name, do_ln_wd=True)
+    for n in DECAYED | NOT_DECAYED:
+        before, after = out[n]
+        torch.testing.assert_close(after, before * 0.95)
+
+
+def test_adam_weight_decay_is_l2() -> None:
+    # Adam, L2: grad = wd * p > 0; first bias-corrected step is lr * g / (|g| + eps) ~= lr.
+    out = _one_step_zero_grad("adam", do_ln_wd=False)
+    for n in DECAYED:
+        before, after = out[n]
+        torch.testing.assert_close(after, before - 0.1, atol=1e-6, rtol=0)
+    for n in NOT_DECAYED:
+        before, after = out[n]
+        torch.testing.assert_close(after, before)
+
+
+def test_optimizer_types_and_hyperparameters() -> None:
+    model = _Block()
+    cfg = OptimConfig(name="adamw_fp32OptState", lr=1.5e-4, weight_decay=0.01, betas=[0.8, 0.95], eps=1e-6)
+    opt = build_optimizer(model.named_parameters(), cfg, False)
+    assert type(opt) is torch.optim.AdamW
+    g = opt.param_groups[0]
+    assert (g["lr"], g["betas"], g["eps"], g["capturable"]) == (1.5e-4, (0.8, 0.95), 1e-6, False)
+    assert type(build_optimizer(model.named_parameters(), OptimConfig(name="adam"), False)) is torch.optim.Adam
+    sgd = build_optimizer(model.named_parameters(), OptimConfig(name="sgd", momentum=0.9), False)
+    assert type(sgd) is torch.optim.SGD and sgd.param_groups[0]["momentum"] == 0.9
+
+
+def test_adamw_fp32_opt_state_keeps_fp32_state_and_refuses_bf16() -> None:
+    model = _Block()
+    opt = build_optimizer(model.named_parameters(), OptimConfig(name="adamw_fp32OptState"), False)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    state = opt.state[model.o_proj.weight]
+    assert state["exp_avg"].dtype == torch.float32 and state["exp_avg_sq"].dtype == torch.float32
+    bf16 = nn.Parameter(torch.ones(2, 2, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="adamw_fp32OptState: parameter 'w' is torch.bfloat16"):
+        build_optimizer([("w", bf16)], OptimConfig(name="adamw_fp32OptState"), False)
+
+
+def test_registry_matches_validate() -> None:
+    assert tuple(OPTIMIZER_BUILDERS) == IMPLEMENTED_OPTIMIZERS
+    assert SCHEDULE_NAMES == IMPLEMENTED_SCHEDULERS
+
+
+@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in IMPLEMENTED_OPTIMIZERS])
+def test_listed_but_unimplemented_optimizer_errors(name: str) -> None:
+    with pytest.raises(ValueError, match=f"not supported yet: model.optim.name={name}"):
+        build_optimizer(_Block().named_parameters(), OptimConfig(name=name), False)
+
+
+def test_unknown_optimizer_and_unusable_settings_error() -> None:
+    params = list(_Block().named_parameters())
+    with pytest.raises(ValueError, match="unknown optimizer 'adamww'; choose one of adamw"):
+        build_optimizer(params, OptimConfig(name="adamww"), False)
+    with pytest.raises(ValueError, match="model.optim.momentum"):
+        build_optimizer(params, OptimConfig(name="adamw", momentum=0.9), False)
+    with pytest.raises(ValueError, match="model.optim.capturable"):
+        build_optimizer(params, OptimConfig(name="sgd", capturable=True), False)
+    with pytest.raises(ValueError, match="model.optim.betas"):
+        build_optimizer(params, OptimConfig(name="adam", betas=[0.9]), False)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        build_optimizer(params, OptimConfig(name="adam", lr=-1.0), False)
+
+
+# ------------------------------------------------------------------------------------------------ schedules
+
+def test_linear_annealing_with_warmup_key_steps() -> None:
+    # W = 10, M = 110, lr = 1: warm-up step / 10, then (110 - step) / 100 (NxDT / transformers formula).
+    lrs = _lr_trajectory(SchedConfig(name="LinearAnnealingWithWarmUp", warmup_steps=10), 110, 120)
+    expected = {0: 0.0, 5: 0.5, 9: 0.9, 10: 1.0, 35: 0.75, 60: 0.5, 109: 0.01, 110: 0.0, 120: 0.0}
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_linear_annealing_min_lr_floor_and_sched_max_steps_override() -> None:
+    # sched.max_steps = 110 overrides the 999 passed in; min_lr 0.1: 0.1 + 0.9 * (110 - step) / 100.
+    cfg = SchedConfig(name="LinearAnnealingWithWarmUp", warmup_steps=10, max_steps=110, min_lr=0.1)
+    lrs = _lr_trajectory(cfg, 999, 115)
+    expected = {0: 0.0, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1, 115: 0.1}
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_cosine_annealing_without_constant_steps() -> None:
+    # NeMo branch 1: W = 9, M = 109, min_lr 0.1. Warm-up (step+1)/10; decay 0.1 + 0.45 (1 + cos(pi (s-9)/100)).
+    cfg = SchedConfig(name="CosineAnnealing", warmup_steps=9, min_lr=0.1)
+    lrs = _lr_trajectory(cfg, 109, 120)
+    expected = {0: 0.1, 4: 0.5, 9: 1.0, 34: 0.1 + 0.45 * (1 + math.sqrt(0.5)), 59: 0.55,
+                84: 0.1 + 0.45 * (1 - math.sqrt(0.5)), 109: 0.1, 110: 0.1, 120: 0.1}
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_cosine_annealing_with_constant_steps_at_end() -> None:
+    # NeMo branch 2: W = 10, C = 20, M = 130 -> D = 100 decay steps, then C steps held at min_lr.
+    cfg = SchedConfig(name="CosineAnnealing", warmup_steps=10, constant_steps=20, min_lr=0.1)
+    lrs = _lr_trajectory(cfg, 130, 140)
+    expected = {0: 0.0, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1, 111: 0.1, 120: 0.1, 130: 0.1, 140: 0.1}
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_constant_schedule() -> None:
+    # NeMo WarmupPolicy: W = 4 -> (step+1)/5 up to step 4, then lr; past M = 50 -> min_lr.
+    lrs = _lr_trajectory(SchedConfig(name="Constant", warmup_steps=4, min_lr=0.0), 50, 55, lr=0.5)
+    expected = {0: 0.1, 2: 0.3, 4: 0.5, 20: 0.5, 50: 0.5, 51: 0.0, 55: 0.0}
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_pure_functions_match_scheduler() -> None:
+    assert linear_annealing_with_warmup_lr(0, 2.0, 0, 10) == 2.0  # no warm-up: start at lr
+    assert cosine_annealing_lr(0, 2.0, 0, 10) == 2.0
+    assert cosine_annealing_lr(10, 2.0, 0, 10) == pytest.approx(0.0)
+    assert constant_lr(3, 2.0, 0, 10) == 2.0
+    cfg = SchedConfig(name="CosineAnnealing", warmup_steps=3, constant_steps=2, min_lr=0.01)
+    lrs = _lr_trajectory(cfg, 20, 25, lr=0.3)
+    for step, value in enumerate(lrs):
+        assert value == pytest.approx(cosine_annealing_lr(step, 0.3, 3, 20, 0.01, 2), abs=1e-12)
+
+
+def test_scheduler_resume_takes_step_from_state_and_schedule_from_config() -> None:
+    cfg = SchedConfig(name="LinearAnnealingWithWarmUp", warmup_steps=2)
+    model = _Block()
+    opt = build_optimizer(model.named_parameters(), OptimConfig(name="sgd", lr=1.0), False)
+    sched = build_scheduler(opt, cfg, 12)
+    for _ in range(7):
+        opt.step()
+        sched.step()
+    state = sched.state_dict()
+    opt2 = build_optimizer(model.named_parameters(), OptimConfig(name="sgd", lr=1.0), False)
+    sched2 = build_scheduler(opt2, cfg, 22)  # longer run on resume
+    sched2.load_state_dict(state)
+    opt2.step()
+    sched2.step()
+    assert sched2.last_epoch == 8
+    assert opt2.param_groups[0]["lr"] == pytest.approx((22 - 8) / 20)
+
+
+@pytest.mark.parametrize("name", [n for n in SCHEDULERS if n not in IMPLEMENTED_SCHEDULERS])
+def test_listed_but_unimplemented_schedule_errors(name: str) -> None:
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(), False)
+    with pytest.raises(ValueError, match=f"not supported yet: model.optim.sched.name={name}"):
+        build_scheduler(opt, SchedConfig(name=name), 10)
+
+
+@pytest.mark.parametrize("cfg,max_steps,match", [
+    (SchedConfig(name="Cosine"), 10, "unknown schedule 'Cosine'"),
+    (SchedConfig(warmup_steps=8, constant_steps=4, name="CosineAnnealing"), 10, "exceeds the schedule length 10"),
+    (SchedConfig(constant_steps=2), 10, "only CosineAnnealing has constant steps"),
+    (SchedConfig(name="CosineAnnealing", min_lr=1.0), 10, "model.optim.sched.min_lr"),
+    (SchedConfig(), 0, "schedule length must be >= 1"),
+    (SchedConfig(warmup_steps=-1), 10, "must be >= 0"),
+])
+def test_bad_schedule_settings_error(cfg: SchedConfig, max_steps: int, match: str) -> None:
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1e-3), False)
+    with pytest.raises(ValueError, match=match):
+        build_scheduler(opt, cfg, max_steps)

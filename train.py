@@ -1,0 +1,19 @@
+"""nxd_lc training entry point.
+
+    torchrun --nproc_per_node=2 train.py --config-name cpu_tiny_llama_config
+    python train.py --config-name hf_llama3_8B_config +dry_run=true     # validate only
+
+Configs live in ./conf (Hydra). nxd_lc keeps Hydra from creating its own per-run output directory and log files
+(the run directory is exp_manager's); pass hydra.* overrides explicitly to change that.
+"""
+
+import sys
+
+import hydra
+
+from nxd_lc.train import hydra_defaults, hydra_task
+
+if __name__ == "__main__":
+    given = {a.split("=")[0].lstrip("+~") for a in sys.argv[1:]}
+    sys.argv += [d for d in hydra_defaults() if d.split("=")[0] not in given]
+    hydra.main(config_path="conf", config_name=None, version_base="1.3")(hydra_task)()
