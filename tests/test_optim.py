@@ -102,8 +102,8 @@ def test_no_trainable_params_errors() -> None:
 
 # ----------------------------------------------------------------------------------------------- optimizers
 
-def _one_step_zero_grad(name: str, do_ln_wd: bool) -> dict[str, torch.Tensor]:
-    """Params after one step with zero grads, lr 0.1, weight_decay 0.5: only weight decay moves them."""
+def _one_step_zero_grad(name: str, do_ln_wd: bool) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(before, after) per param for one step with zero grads, lr 0.1, weight_decay 0.5 (only decay moves them)."""
     torch.manual_seed(0)
     model = _Block()
     with torch.no_grad():
@@ -115,7 +115,7 @@ def _one_step_zero_grad(name: str, do_ln_wd: bool) -> dict[str, torch.Tensor]:
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     opt.step()
-    return {n: (before[n], p.detach()) for n, p in model.named_parameters()}  # type: ignore[misc]
+    return {n: (before[n], p.detach()) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("name", ["adamw", "adamw_fp32OptState", "sgd"])

@@ -131,7 +131,7 @@ class SchedConfig:
     name: str = "LinearAnnealingWithWarmUp"  # LinearAnnealingWithWarmUp | CosineAnnealing | Constant
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
     max_steps: Optional[int] = None  # schedule length; usually ${trainer.max_steps}
-    constant_steps: int = 0  # CosineAnnealing: steps held at lr after warm-up
+    constant_steps: int = 0  # CosineAnnealing: final steps held at min_lr after the cosine decay (NeMo)
     min_lr: float = 0.0  # floor of the annealed learning rate
 
 

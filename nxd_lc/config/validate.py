@@ -87,20 +87,24 @@ def _suggest(key: str, cls: type, prefix: str) -> str:
     return f"valid keys here: {', '.join(siblings)}"
 
 
-def _check_keys(data: Mapping[str, Any], cls: type, prefix: str, problems: list[str]) -> None:
+def _check_keys(data: dict[str, Any], cls: type, prefix: str, problems: list[str]) -> None:
     fields = _fields(cls)
+    empty_sections = []
     for key, value in data.items():
         if key not in fields:
             problems.append(f"{prefix}{key}: unknown key; {_suggest(str(key), cls, prefix)}")
             continue
         sub = _nested_type(cls, key)
         if sub is not None:
-            if value is None:
+            if value is None:  # an empty section (`exp_manager:`) takes its defaults
+                empty_sections.append(key)
                 continue
             if not isinstance(value, Mapping):
                 problems.append(f"{prefix}{key}: must be a mapping (section), got {type(value).__name__}")
                 continue
-            _check_keys(value, sub, f"{prefix}{key}.", problems)
+            _check_keys(value, sub, f"{prefix}{key}.", problems)  # type: ignore[arg-type]
+    for key in empty_sections:
+        data.pop(key)
 
 
 def _check_types(data: Mapping[str, Any], cls: type, prefix: str, problems: list[str]) -> None:
@@ -127,6 +131,7 @@ def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
         if alias in data:
             if canonical in data and data[canonical] is not None:
                 problems.append(f"{alias}: NxDT alias of '{canonical}'; give only one of them")
+                data.pop(alias)
                 continue
             log.info("config: '%s' (NxDT spelling) is read as '%s'", alias, canonical)
             data[canonical] = data.pop(alias)
@@ -258,7 +263,7 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
             p.append(f"data.seq_length: {cfg.data.seq_length} differs from model.encoder_seq_length "
                      f"{cfg.model.encoder_seq_length}; set data.seq_length: ${{model.encoder_seq_length}}")
         tp = cfg.distributed_strategy.tensor_model_parallel_size
-        if cfg.distributed_strategy.sequence_parallel and s % tp != 0:
+        if cfg.distributed_strategy.sequence_parallel and tp >= 1 and s % tp != 0:
             p.append(f"data.seq_length: {s} must be divisible by tensor_model_parallel_size {tp} when "
                      f"distributed_strategy.sequence_parallel is true")
     if not 0.0 <= d.val_fraction < 1.0:
@@ -277,6 +282,8 @@ def _head_problems(cfg: NxdConfig) -> list[str]:
     if hf is None:
         return [f"model.model_config: file not found: {resolve_path(m.model_config)}"]
     tp, rep = ds.tensor_model_parallel_size, ds.kv_replicator
+    if tp < 1 or rep < 1:
+        return p  # reported by _parallel_problems
     heads = int(hf.get("num_attention_heads", 0))
     kv = int(hf.get("num_key_value_heads") or heads)
     hidden = m.hidden_size or int(hf.get("hidden_size", 0))
@@ -352,7 +359,8 @@ def path_problems(cfg: NxdConfig) -> list[str]:
         p.append("data.train_dir: not set; point it at text files/jsonl/a datasets dir, or set "
                  "data.builtin_corpus: python_stdlib")
     for key, path in (("data.train_dir", d.train_dir), ("data.val_dir", d.val_dir)):
-        if path is not None and not glob.glob(resolve_path(path)):
+        if path is not None and not (os.path.exists(resolve_path(path))
+                                     or glob.glob(resolve_path(path), recursive=True)):
             p.append(f"{key}: no such file, directory or glob match: {resolve_path(path)}")
     tok = d.tokenizer.type
     if tok not in (None, "bytelevel_bpe") and not os.path.isdir(resolve_path(tok)):

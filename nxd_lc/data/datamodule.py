@@ -1,0 +1,210 @@
+"""Lightning data module for pretraining: source -> tokenizer -> packed samples -> sampler -> collate.
+
+Batches are dicts of int64 tensors, all ``[B, S]`` (B = micro batch, S = seq_length):
+``input_ids`` (tokens ``sample[:-1]``), ``labels`` (``sample[1:]``, the next token at each position) and
+``position_ids`` (``0 .. S-1`` per row).
+
+Resume contract: the module keeps ``consumed_samples`` (samples consumed over ALL data-parallel ranks). The
+training code must call :meth:`PretrainingDataModule.advance` with ``global_batch_size`` after every optimizer
+step (e.g. from the LightningModule's ``on_train_batch_end`` when an optimizer step happened, or a callback).
+Lightning saves :meth:`state_dict` in checkpoints and calls :meth:`load_state_dict` on restore, before
+``train_dataloader()``, so the sampler built there continues exactly where the checkpointed run stopped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import pytorch_lightning as pl
+import torch
+from torch.utils.data import DataLoader
+
+from nxd_lc.config.schema import DataConfig
+from nxd_lc.data.packing import PackedDataset, build_packed_samples
+from nxd_lc.data.sampler import PretrainingSampler
+from nxd_lc.data.sources import DocumentSource, builtin_source, iter_documents, resolve_source, split_source
+from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, check_vocab, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+
+def collate_packed(rows: list[np.ndarray]) -> dict[str, torch.Tensor]:
+    """Stack packed rows ``[S + 1]`` into ``{input_ids, labels, position_ids}``, each int64 ``[B, S]``."""
+    samples = torch.from_numpy(np.stack(rows).astype(np.int64))
+    batch, seq = samples.shape[0], samples.shape[1] - 1
+    return {
+        "input_ids": samples[:, :-1].contiguous(),
+        "labels": samples[:, 1:].contiguous(),
+        "position_ids": torch.arange(seq, dtype=torch.long).unsqueeze(0).repeat(batch, 1),
+    }
+
+
+class PretrainingDataModule(pl.LightningDataModule):
+    """Packed causal-LM pretraining data with Megatron-style sampling and exact resume.
+
+    Args:
+        data_cfg: the ``data:`` section.
+        seq_length: S, tokens per training sequence (``data.seq_length`` or ``model.encoder_seq_length``).
+        seed: the top-level ``seed`` (shuffling).
+        model_vocab_size: the model's vocab_size; the tokenizer / pretokenized ids must fit.
+        data_parallel_rank, data_parallel_size: this rank's DP coordinate.
+        global_batch_size: samples per optimizer step over all DP ranks.
+        barrier: optional callable all ranks reach after local rank 0 built a cache (else ranks poll the file).
+    Raises:
+        ValueError: (in ``setup``) bad corpus / tokenizer / sizes, each naming its ``data.*`` key.
+    """
+
+    def __init__(self, data_cfg: DataConfig, *, seq_length: int, seed: int, model_vocab_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, global_batch_size: int,
+                 barrier: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        if global_batch_size % (data_cfg.micro_batch_size * data_parallel_size) != 0:
+            raise ValueError(f"data.global_batch_size: {global_batch_size} is not divisible by micro_batch_size x "
+                             f"DP = {data_cfg.micro_batch_size} x {data_parallel_size}")
+        self.cfg = data_cfg
+        self.seq_length = seq_length
+        self.seed = seed
+        self.model_vocab_size = model_vocab_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.global_batch_size = global_batch_size
+        self.barrier = barrier
+        self.consumed_samples = 0
+        self._tokenizer: PreTrainedTokenizerFast | None = None
+        self.train_dataset: PackedDataset | None = None
+        self.val_dataset: PackedDataset | None = None
+
+    # ---- preparation -------------------------------------------------------------------------------------
+    def _sources(self) -> tuple[DocumentSource, DocumentSource | None]:
+        """(train, val) sources; val is None when ``val_dir`` is unset and ``val_fraction`` is 0."""
+        c = self.cfg
+        if c.train_dir is not None:
+            src = resolve_source(c.train_dir, file_glob=c.file_glob, text_key=c.text_key)
+        elif c.builtin_corpus is not None:
+            src = builtin_source(c.builtin_corpus)
+        else:
+            raise ValueError("data.train_dir: not set; point it at text files/jsonl/a datasets dir, or set "
+                             "data.builtin_corpus: python_stdlib")
+        if c.val_dir is not None:
+            return src, resolve_source(c.val_dir, file_glob=c.file_glob, text_key=c.text_key,
+                                       key_name="data.val_dir")
+        if c.val_fraction == 0.0:
+            return src, None
+        train, val = split_source(src, c.val_fraction)
+        return train, val
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load/train the tokenizer and build/load the packed train and val samples (idempotent).
+
+        Local rank 0 of each node builds the caches; other ranks wait for them (see ``build_once``).
+        """
+        if self.train_dataset is not None:
+            return
+        train_src, val_src = self._sources()
+        cache_dir = self.cfg.tokenizer.cache_dir or DEFAULT_CACHE_DIR
+        texts: Callable[[], Iterable[str]] | None = None if train_src.pretokenized else (
+            lambda: iter_documents(train_src))
+        self._tokenizer = load_tokenizer(self.cfg.tokenizer, texts, cache_dir,
+                                         corpus_fingerprint=train_src.fingerprint(), barrier=self.barrier)
+        check_vocab(self._tokenizer, self.model_vocab_size)
+        self.train_dataset = self._packed(train_src, cache_dir)
+        if val_src is not None:
+            try:
+                self.val_dataset = self._packed(val_src, cache_dir)
+            except ValueError as e:
+                if self.cfg.val_dir is not None:
+                    raise
+                raise ValueError(f"data.val_fraction: the held-out split ({self.cfg.val_fraction}) of the train "
+                                 f"corpus gives no validation samples ({e}); set data.val_dir, raise "
+                                 f"data.val_fraction, or set it to 0 to disable validation") from e
+        self._check_val_size()
+
+    def _packed(self, src: DocumentSource, cache_dir: str) -> PackedDataset:
+        path = build_packed_samples(src, self.tokenizer, self.seq_length, cache_dir, barrier=self.barrier)
+        ds = PackedDataset(path)
+        if src.pretokenized:
+            top = ds.max_token_id()
+            if top >= self.model_vocab_size:
+                raise ValueError(f"{src.key_name}: token id {top} in {src.path} is >= the model vocab_size "
+                                 f"{self.model_vocab_size} (model.model_config); the data was tokenized for "
+                                 "another vocabulary")
+        return ds
+
+    def _check_val_size(self) -> None:
+        if self.val_dataset is None:
+            return
+        step = self.cfg.micro_batch_size * self.data_parallel_size
+        if len(self.val_dataset) < step:
+            key = "data.val_dir" if self.cfg.val_dir is not None else "data.val_fraction"
+            raise ValueError(f"{key}: validation gives {len(self.val_dataset)} samples, fewer than "
+                             f"micro_batch_size x DP = {step}; add validation text (data.val_dir), raise "
+                             "data.val_fraction, or set data.val_fraction: 0 to disable validation")
+
+    # ---- public state ------------------------------------------------------------------------------------
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerFast:
+        """The tokenizer (available after :meth:`setup`)."""
+        if self._tokenizer is None:
+            raise RuntimeError("PretrainingDataModule.setup() has not run yet")
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int:
+        """Id of the document separator (EOS) token."""
+        return int(self.tokenizer.eos_token_id)
+
+    def advance(self, num_samples: int) -> None:
+        """Record ``num_samples`` consumed over all DP ranks; call with ``global_batch_size`` per optimizer step.
+
+        Raises:
+            ValueError: ``num_samples`` negative.
+        """
+        if num_samples < 0:
+            raise ValueError(f"advance(num_samples={num_samples}): must be >= 0")
+        self.consumed_samples += int(num_samples)
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{'consumed_samples': int}``: saved by Lightning into checkpoints."""
+        return {"consumed_samples": self.consumed_samples}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore ``consumed_samples`` (Lightning calls this before ``train_dataloader()`` on resume).
+
+        Raises:
+            ValueError: the key is missing.
+        """
+        if "consumed_samples" not in state_dict:
+            raise ValueError(f"datamodule state has no 'consumed_samples' (keys: {sorted(state_dict)}); the "
+                             "checkpoint was not written by PretrainingDataModule")
+        self.consumed_samples = int(state_dict["consumed_samples"])
+
+    # ---- loaders -----------------------------------------------------------------------------------------
+    def train_sampler(self) -> PretrainingSampler:
+        """Sampler over the packed train samples starting at the current ``consumed_samples``."""
+        if self.train_dataset is None:
+            raise RuntimeError("PretrainingDataModule.setup() has not run yet")
+        return PretrainingSampler(len(self.train_dataset), self.consumed_samples, self.cfg.micro_batch_size,
+                                  self.data_parallel_rank, self.data_parallel_size, self.seed,
+                                  shuffle=self.cfg.shuffle, global_batch_size=self.global_batch_size)
+
+    def train_dataloader(self) -> DataLoader:
+        """Training batches (dicts, see module doc) for this DP rank, resuming at ``consumed_samples``."""
+        return self._loader(self.train_dataset, self.train_sampler())
+
+    def val_dataloader(self) -> DataLoader | list:
+        """One sequential pass over the held-out samples, each DP rank its own slice ([] without validation)."""
+        if self.val_dataset is None:
+            return []
+        sampler = PretrainingSampler(len(self.val_dataset), 0, self.cfg.micro_batch_size,
+                                     self.data_parallel_rank, self.data_parallel_size, self.seed, shuffle=False)
+        return self._loader(self.val_dataset, sampler)
+
+    def _loader(self, dataset: PackedDataset | None, sampler: PretrainingSampler) -> DataLoader:
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers,
+                          collate_fn=collate_packed, persistent_workers=False)

@@ -1,0 +1,194 @@
+"""Tokenize documents and pack them into fixed-length training samples (cached on disk).
+
+Stages 2-3 of the data chain. Documents are tokenized in batches with the fast tokenizer's backend (no special
+tokens added) and concatenated into one token stream with ``eos`` after every document, so documents are
+separated by exactly one EOS. Already tokenized corpora (``input_ids``) are concatenated as they are: their
+tokenization decides the separators.
+
+The stream of ``T`` tokens is cut GPT/Megatron style (Megatron-LM ``GPTDataset``): sample ``i`` is
+``stream[i*S : i*S + S + 1]`` (``S`` = seq_length), so consecutive samples share one boundary token and every
+token after the first is a label exactly once. The result is a numpy int32 array ``[N, S + 1]`` with
+``N = (T - 1) // S``; ``input_ids = sample[:-1]`` and ``labels = sample[1:]``. The ``T - (N*S + 1)`` tail
+tokens are dropped and reported through logging.
+
+Packed arrays are cached as ``<cache_dir>/packed/<key>.npy`` with key = SHA-256 of (source fingerprint,
+tokenizer fingerprint, seq_length, format version), built once per node by :func:`build_once` and memory-mapped
+by every rank (and DataLoader worker).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch.utils.data
+
+from nxd_lc.config.validate import resolve_path
+from nxd_lc.data.sources import DocumentSource, iter_documents
+from nxd_lc.data.tokenizer import build_once, tokenizer_fingerprint
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+_FORMAT_VERSION = "pack-v1"
+
+
+@dataclass(frozen=True)
+class PackStats:
+    """Counts from one packing run (all in tokens unless named otherwise)."""
+
+    num_documents: int
+    num_tokens: int
+    num_samples: int
+    dropped_tokens: int
+
+
+def tokenize_documents(texts: Iterable[str], tokenizer: PreTrainedTokenizerFast,
+                       batch_size: int = 64) -> Iterator[np.ndarray]:
+    """Token ids of each text, in order, as int32 arrays (no special tokens added).
+
+    Uses the fast backend's batched ``encode_batch_fast`` (parallel in Rust, no offsets).
+    """
+    backend = tokenizer.backend_tokenizer
+    batch: list[str] = []
+    for text in texts:
+        batch.append(text)
+        if len(batch) == batch_size:
+            yield from _encode(backend, batch)
+            batch = []
+    if batch:
+        yield from _encode(backend, batch)
+
+
+def _encode(backend: Any, batch: list[str]) -> Iterator[np.ndarray]:
+    for enc in backend.encode_batch_fast(batch, add_special_tokens=False):
+        yield np.asarray(enc.ids, dtype=np.int32)
+
+
+def pack_token_stream(docs: Iterable[Sequence[int] | np.ndarray], seq_length: int,
+                      eos_id: int | None) -> tuple[np.ndarray, PackStats]:
+    """Concatenate token documents (``eos_id`` after each, unless None) and cut ``[N, seq_length + 1]`` samples.
+
+    Args:
+        docs: token ids per document.
+        seq_length: S, tokens per training sequence (>= 1).
+        eos_id: separator appended after every document; None concatenates as is (pretokenized input).
+    Returns:
+        ``(samples, stats)``: int32 ``[N, S + 1]`` with ``samples[i] = stream[i*S : i*S + S + 1]``.
+    Raises:
+        ValueError: ``seq_length < 1``, a negative token id, or ids that do not fit int32.
+    """
+    if seq_length < 1:
+        raise ValueError(f"data.seq_length: must be >= 1, got {seq_length}")
+    pieces: list[np.ndarray] = []
+    eos = None if eos_id is None else np.asarray([eos_id], dtype=np.int32)
+    num_docs = 0
+    for doc in docs:
+        arr = np.asarray(doc, dtype=np.int64)
+        if arr.size and (arr.min() < 0 or arr.max() > np.iinfo(np.int32).max):
+            raise ValueError(f"document {num_docs}: token ids must be in [0, 2**31), got range "
+                             f"[{arr.min()}, {arr.max()}]")
+        pieces.append(arr.astype(np.int32))
+        if eos is not None:
+            pieces.append(eos)
+        num_docs += 1
+    stream = np.concatenate(pieces) if pieces else np.zeros(0, dtype=np.int32)
+    samples = cut_samples(stream, seq_length)
+    used = samples.shape[0] * seq_length + 1 if samples.shape[0] else 0
+    return samples, PackStats(num_docs, int(stream.size), int(samples.shape[0]), int(stream.size - used))
+
+
+def cut_samples(stream: np.ndarray, seq_length: int) -> np.ndarray:
+    """``[N, S + 1]`` windows of ``stream`` with stride S (neighbours share one token); N = (T - 1) // S."""
+    n = max(0, (stream.size - 1) // seq_length)
+    out = np.empty((n, seq_length + 1), dtype=np.int32)
+    if n:
+        out[:, :seq_length] = stream[: n * seq_length].reshape(n, seq_length)
+        out[:, seq_length] = stream[seq_length: (n + 1) * seq_length: seq_length]
+    return out
+
+
+def packed_cache_path(cache_dir: str, source: DocumentSource, tokenizer: PreTrainedTokenizerFast,
+                      seq_length: int) -> str:
+    """Path of the cached ``.npy`` for ``source`` packed with ``tokenizer`` into ``seq_length`` samples."""
+    key = hashlib.sha256(repr((_FORMAT_VERSION, source.fingerprint(), tokenizer_fingerprint(tokenizer),
+                               seq_length)).encode()).hexdigest()[:24]
+    return os.path.join(resolve_path(cache_dir), "packed", f"{key}-s{seq_length}.npy")
+
+
+def build_packed_samples(source: DocumentSource, tokenizer: PreTrainedTokenizerFast, seq_length: int,
+                         cache_dir: str, *, is_builder: bool | None = None,
+                         barrier: Callable[[], None] | None = None) -> str:
+    """Tokenize + pack ``source`` once (cached) and return the ``.npy`` path of its ``[N, S+1]`` int32 samples.
+
+    Raises:
+        ValueError: empty corpus (from :func:`iter_documents`), or fewer than ``seq_length + 1`` tokens
+            (names the source's config key and suggests a shorter ``data.seq_length``).
+    """
+    path = packed_cache_path(cache_dir, source, tokenizer, seq_length)
+
+    def build(tmp: str) -> None:
+        start = time.perf_counter()
+        docs: Iterable[Any] = iter_documents(source)
+        if not source.pretokenized:
+            docs = tokenize_documents(docs, tokenizer)
+        samples, stats = pack_token_stream(docs, seq_length, None if source.pretokenized else
+                                           tokenizer.eos_token_id)
+        if stats.num_samples == 0:
+            raise ValueError(f"{source.key_name}: {source.path} gives {stats.num_tokens} tokens, fewer than "
+                             f"seq_length + 1 = {seq_length + 1}; add text or lower data.seq_length")
+        with open(tmp, "wb") as f:
+            np.save(f, samples)
+        log.info("packed %s: %d documents, %d tokens -> %d samples of %d+1 tokens, %d tail tokens dropped "
+                 "(%.1f s) -> %s", source.path, stats.num_documents, stats.num_tokens, stats.num_samples,
+                 seq_length, stats.dropped_tokens, time.perf_counter() - start, path)
+
+    if not build_once(path, build, is_builder=is_builder, barrier=barrier):
+        log.info("packed samples of %s: reusing cache %s", source.path, path)
+    return path
+
+
+class PackedDataset(torch.utils.data.Dataset):
+    """Map-style dataset over a packed ``[N, S + 1]`` int32 array (an in-memory array or a cached ``.npy``).
+
+    A path is memory-mapped lazily in each process, so pickling the dataset into DataLoader workers copies only
+    the path. ``dataset[i]`` is the int32 row ``[S + 1]``.
+    """
+
+    def __init__(self, samples: np.ndarray | str) -> None:
+        self._path = samples if isinstance(samples, str) else None
+        self._array = None if isinstance(samples, str) else samples
+        shape = self._load().shape
+        if len(shape) != 2 or shape[1] < 2:
+            raise ValueError(f"packed samples must be [N, seq_length + 1] with seq_length >= 1, got {shape}")
+        self.num_samples, self.seq_length = shape[0], shape[1] - 1
+
+    def _load(self) -> np.ndarray:
+        if self._array is None:
+            self._array = np.load(self._path, mmap_mode="r")
+        return self._array
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        if self._path is not None:
+            state["_array"] = None
+        return state
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return np.asarray(self._load()[index])
+
+    def max_token_id(self) -> int:
+        """Largest token id in the samples (-1 when empty); reads the whole array."""
+        arr = self._load()
+        return int(arr.max()) if arr.size else -1

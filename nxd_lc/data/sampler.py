@@ -1,0 +1,110 @@
+"""Megatron-style pretraining batch sampler: seeded per-epoch order, DP slices, exact resume.
+
+Semantics follow Megatron-LM's ``MegatronPretrainingRandomSampler`` / ``MegatronPretrainingSampler``
+(``megatron/legacy/data/data_samplers.py``): the sampler is driven by ``consumed_samples``, the number of
+samples consumed so far by ALL data-parallel ranks together, which is what a checkpoint stores;
+``epoch = consumed_samples // samples_per_epoch``; the order of an epoch is ``torch.randperm`` with a
+``torch.Generator`` seeded with ``seed + epoch`` (``arange`` when not shuffled).
+
+One difference from Megatron's random sampler, which first cuts the dataset into one contiguous bucket per DP rank
+and permutes inside each bucket: here one permutation covers the whole epoch and global micro-batch step ``j``
+takes ``order[j*M*D : (j+1)*M*D]`` (M = micro batch, D = DP size), of which DP rank ``r`` takes
+``[r*M : (r+1)*M]``. The global sample order therefore does not depend on the DP size, and DP ranks' batches at
+a step are disjoint and together cover that step's global micro-batch.
+
+Epochs are trimmed to a whole number of global steps (``global_batch_size`` when given, else ``M*D``), so each
+epoch ends on an optimizer-step boundary. One ``__iter__`` yields from the sampler's current position to the end
+of that epoch and advances the position; the next ``__iter__`` (Lightning's next epoch) continues with the next
+epoch. ``__len__`` is the number of micro-batches per rank in one full epoch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+
+class PretrainingSampler:
+    """Batch sampler yielding this DP rank's micro-batches of dataset indices.
+
+    Args:
+        total_samples: dataset size (packed samples).
+        consumed_samples: samples consumed so far over all DP ranks (resume point); a multiple of
+            ``micro_batch_size * data_parallel_size``.
+        micro_batch_size: M, samples per rank per forward pass.
+        data_parallel_rank: r in [0, D).
+        data_parallel_size: D.
+        seed: base seed; epoch e is shuffled with ``seed + e``.
+        shuffle: False = sequential order every epoch.
+        global_batch_size: optional; epochs are trimmed to a multiple of it (default ``M * D``).
+    Yields:
+        ``list[int]`` of length M.
+    Raises:
+        ValueError: non-positive sizes, rank out of range, ``global_batch_size`` not a multiple of ``M * D``,
+            a dataset smaller than one global step, or ``consumed_samples`` not on a step boundary.
+    """
+
+    def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
+                 data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool = True,
+                 global_batch_size: int | None = None) -> None:
+        if micro_batch_size < 1 or data_parallel_size < 1:
+            raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
+                             f"({data_parallel_size}) must be >= 1")
+        if not 0 <= data_parallel_rank < data_parallel_size:
+            raise ValueError(f"data_parallel_rank {data_parallel_rank} not in [0, {data_parallel_size})")
+        self.step_size = micro_batch_size * data_parallel_size
+        unit = global_batch_size or self.step_size
+        if unit % self.step_size != 0:
+            raise ValueError(f"data.global_batch_size {unit} is not a multiple of micro_batch_size x DP = "
+                             f"{self.step_size}")
+        self.samples_per_epoch = (total_samples // unit) * unit
+        if self.samples_per_epoch == 0:
+            raise ValueError(f"the dataset has {total_samples} samples, fewer than one global batch ({unit}); "
+                             "add data, lower data.seq_length or lower data.global_batch_size")
+        if consumed_samples < 0 or consumed_samples % self.step_size != 0:
+            raise ValueError(f"consumed_samples {consumed_samples} must be a non-negative multiple of "
+                             f"micro_batch_size x DP = {self.step_size}")
+        self.total_samples = total_samples
+        self.consumed_samples = consumed_samples
+        self.micro_batch_size = micro_batch_size
+        self.data_parallel_rank = data_parallel_rank
+        self.data_parallel_size = data_parallel_size
+        self.seed = seed
+        self.shuffle = shuffle
+
+    @property
+    def epoch(self) -> int:
+        """Epoch of the next sample: ``consumed_samples // samples_per_epoch``."""
+        return self.consumed_samples // self.samples_per_epoch
+
+    def __len__(self) -> int:
+        """Micro-batches this rank yields in one full epoch: ``samples_per_epoch // (M * D)``."""
+        return self.samples_per_epoch // self.step_size
+
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """Dataset indices of one epoch in sampling order, int64 ``[samples_per_epoch]``.
+
+        Shuffled: ``randperm(total_samples)`` from a generator seeded with ``seed + epoch``, truncated to
+        ``samples_per_epoch``; otherwise ``arange``.
+        """
+        if not self.shuffle:
+            return torch.arange(self.samples_per_epoch)
+        gen = torch.Generator()
+        gen.manual_seed(self.seed + epoch)
+        return torch.randperm(self.total_samples, generator=gen)[: self.samples_per_epoch]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        """Yield this rank's micro-batches from ``consumed_samples`` to the end of its epoch.
+
+        ``consumed_samples`` advances by ``M * D`` as each batch is yielded, so a later ``__iter__`` continues
+        with the next epoch.
+        """
+        epoch = self.epoch
+        order = self.epoch_order(epoch)
+        start = self.consumed_samples - epoch * self.samples_per_epoch
+        lo = self.data_parallel_rank * self.micro_batch_size
+        for step_start in range(start, self.samples_per_epoch, self.step_size):
+            batch = order[step_start + lo: step_start + lo + self.micro_batch_size].tolist()
+            self.consumed_samples += self.step_size
+            yield batch
