@@ -7,6 +7,7 @@ Configs live in ./conf (Hydra). nxd_lc keeps Hydra from creating its own per-run
 (the run directory is exp_manager's); pass hydra.* overrides explicitly to change that.
 """
 
+import os
 import sys
 
 import hydra
@@ -16,4 +17,5 @@ from nxd_lc.train import hydra_defaults, hydra_task
 if __name__ == "__main__":
     given = {a.split("=")[0].lstrip("+~") for a in sys.argv[1:]}
     sys.argv += [d for d in hydra_defaults() if d.split("=")[0] not in given]
-    hydra.main(config_path="conf", config_name=None, version_base="1.3")(hydra_task)()
+    conf_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")
+    hydra.main(config_path=conf_dir, config_name=None, version_base="1.3")(hydra_task)()

@@ -20,8 +20,16 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import (ConfigError, check_supported, data_parallel_size, load_config, path_problems,
-                                    resolve_path, seq_length, unsupported_features)
+from nxd_lc.config.validate import (
+    ConfigError,
+    check_supported,
+    data_parallel_size,
+    load_config,
+    path_problems,
+    resolve_path,
+    seq_length,
+    unsupported_features,
+)
 from nxd_lc.runtime.env import apply_env, format_env_table
 
 log = logging.getLogger("nxd_lc.train")

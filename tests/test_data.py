@@ -11,13 +11,14 @@ import time
 import numpy as np
 import pytest
 import torch
+from dist_utils import run_distributed
 
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
 from nxd_lc.data import corpus, packing, sources, tokenizer
 from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.sampler import PretrainingSampler
 
-WORDS = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 
 def _write(path: str, text: str) -> str:
@@ -186,7 +187,6 @@ def test_build_once_waiter_and_race(tmp_path):
     # a builder that loses the race to publish a directory discards its copy
     other = str(tmp_path / "other")
     assert tokenizer.build_once(other, lambda t: (slow_build(t), slow_build(other)), is_builder=True) is False
-    assert os.listdir(tmp_path) == sorted(os.listdir(tmp_path), key=str) or True
     assert not [p for p in os.listdir(tmp_path) if ".tmp-" in p]
     with pytest.raises(TimeoutError, match="never"):
         tokenizer.build_once(str(tmp_path / "never"), slow_build, is_builder=False, timeout_s=0.1, poll_s=0.02)
@@ -245,11 +245,11 @@ def test_sampler_dp_slices_cover_each_global_step():
     for step in range(16):
         parts = [set(streams[r][step]) for r in range(dp)]
         assert all(len(p) == mb for p in parts)
-        assert set().union(*parts).__len__() == mb * dp  # disjoint
+        assert len(set().union(*parts)) == mb * dp  # disjoint
     one_rank = _take(PretrainingSampler(50, 0, mb * dp, 0, 1, seed=7), 16)
-    assert [sum((streams[r][s] for r in range(dp)), []) for s in range(16)] == one_rank
+    assert [[i for r in range(dp) for i in streams[r][s]] for s in range(16)] == one_rank
     assert len(PretrainingSampler(50, 0, mb, 0, dp, seed=7)) == 50 // 6
-    epoch0 = sum(_take(PretrainingSampler(50, 0, 6, 0, 1, seed=7), 8), [])
+    epoch0 = [i for b in _take(PretrainingSampler(50, 0, 6, 0, 1, seed=7), 8) for i in b]
     assert len(set(epoch0)) == 48
 
 
@@ -276,8 +276,8 @@ def test_sampler_resume_is_exact_continuation(k):
 
 
 # ---- data module --------------------------------------------------------------------------------------------
-def _dm(tmp_path, rank: int = 0, dp: int = 1, **data_kw) -> PretrainingDataModule:
-    cfg = DataConfig(micro_batch_size=2, global_batch_size=4 * dp, train_dir=str(tmp_path / "corpus"),
+def _dm(tmp_path, rank: int = 0, dp: int = 1, mb: int = 2, **data_kw) -> PretrainingDataModule:
+    cfg = DataConfig(micro_batch_size=mb, global_batch_size=4 * dp, train_dir=str(tmp_path / "corpus"),
                      val_fraction=0.2, tokenizer=_bpe_cfg(str(tmp_path / "cache")), **data_kw)
     dm = PretrainingDataModule(cfg, seq_length=16, seed=5, model_vocab_size=320, data_parallel_rank=rank,
                                data_parallel_size=dp, global_batch_size=4 * dp)
@@ -315,8 +315,82 @@ def test_datamodule_dp_ranks_and_vocab_check(tmp_path):
     r0, r1 = _dm(tmp_path, 0, 2), _dm(tmp_path, 1, 2)
     b0, b1 = next(iter(r0.train_dataloader())), next(iter(r1.train_dataloader()))
     assert not torch.equal(b0["input_ids"], b1["input_ids"])
+    worker_batch = next(iter(_dm(tmp_path, 0, 2, num_workers=1).train_dataloader()))  # dataset pickles
+    torch.testing.assert_close(worker_batch["input_ids"], b0["input_ids"])
     cfg = DataConfig(train_dir=str(tmp_path / "corpus"), tokenizer=_bpe_cfg(str(tmp_path / "cache")))
     small = PretrainingDataModule(cfg, seq_length=16, seed=5, model_vocab_size=200, data_parallel_rank=0,
                                   data_parallel_size=1, global_batch_size=1)
     with pytest.raises(ValueError, match="model.model_config"):
         small.setup("fit")
+    with pytest.raises(ValueError, match="data.seq_length: must be >= 1"):
+        PretrainingDataModule(cfg, seq_length=0, seed=5, model_vocab_size=320, data_parallel_rank=0,
+                              data_parallel_size=1, global_batch_size=1)
+
+
+def _tiny_lightning_run(tmp_path, max_steps: int, ckpt_in: str | None, ckpt_out: str | None) -> list[torch.Tensor]:
+    import pytorch_lightning as pl
+
+    class Recorder(pl.LightningModule):
+        def __init__(self, dm: PretrainingDataModule) -> None:
+            super().__init__()
+            self.dm, self.seen, self.last_step = dm, [], 0
+            self.emb = torch.nn.Embedding(320, 4)
+
+        def training_step(self, batch, batch_idx):
+            self.seen.append(batch["input_ids"].clone())
+            return self.emb(batch["input_ids"]).pow(2).mean()
+
+        def on_train_start(self):
+            self.last_step = self.trainer.global_step
+
+        def on_train_batch_end(self, outputs, batch, batch_idx):
+            if self.trainer.global_step != self.last_step:  # an optimizer step happened
+                self.last_step = self.trainer.global_step
+                self.dm.advance(self.dm.global_batch_size)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    dm = _dm(tmp_path)
+    model = Recorder(dm)
+    trainer = pl.Trainer(max_steps=max_steps, accumulate_grad_batches=2, accelerator="cpu", devices=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, limit_val_batches=0, default_root_dir=str(tmp_path))
+    trainer.fit(model, datamodule=dm, ckpt_path=ckpt_in)
+    if ckpt_out:
+        trainer.save_checkpoint(ckpt_out)
+    assert dm.consumed_samples == max_steps * dm.global_batch_size
+    return model.seen
+
+
+def test_lightning_checkpoint_resume_continues_data_stream(tmp_path):
+    _text_corpus(str(tmp_path / "corpus"), n=24)
+    full = _tiny_lightning_run(tmp_path, 14, None, None)
+    steps_per_epoch = len(_dm(tmp_path).train_sampler()) // 2
+    assert 5 < steps_per_epoch < 14  # the resumed run crosses an epoch boundary
+    ckpt = str(tmp_path / "step5.ckpt")
+    first = _tiny_lightning_run(tmp_path, 5, None, ckpt)
+    second = _tiny_lightning_run(tmp_path, 14, ckpt, None)
+    assert len(first) == 10 and len(first) + len(second) == len(full)
+    for got, want in zip(first + second, full):
+        torch.testing.assert_close(got, want)
+
+
+def _dist_datamodule_worker(rank: int, world_size: int, tmp: str) -> None:
+    from pathlib import Path
+
+    dm = _dm(Path(tmp), rank, world_size)  # LOCAL_RANK 0 builds the caches, rank 1 waits for them
+    batch = next(iter(dm.train_dataloader()))
+    torch.save(batch["input_ids"], os.path.join(tmp, f"rank{rank}.pt"))
+
+
+@pytest.mark.distributed
+def test_two_ranks_share_caches(tmp_path):
+    _text_corpus(str(tmp_path / "corpus"), n=24)
+    run_distributed(_dist_datamodule_worker, 2, str(tmp_path))
+    b0, b1 = torch.load(tmp_path / "rank0.pt"), torch.load(tmp_path / "rank1.pt")
+    assert b0.shape == b1.shape == (2, 16) and not torch.equal(b0, b1)
+    ref = _dm(tmp_path, 0, 1, mb=4)  # one rank with micro batch 4 sees the same global micro-batch
+    torch.testing.assert_close(torch.cat([b0, b1]), next(iter(ref.train_dataloader()))["input_ids"])
+    assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 1
+    assert not [p for p in os.listdir(tmp_path / "cache" / "packed") if ".tmp-" in p]

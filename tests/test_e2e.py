@@ -19,7 +19,7 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(args, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(args, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 def test_dry_run_validates_nxdt_8b_config() -> None:

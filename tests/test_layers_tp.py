@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
 
-from nxd_lc.distributed import grads, parallel_state
+from nxd_lc.distributed import collectives, grads, parallel_state
 from nxd_lc.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
@@ -199,6 +199,18 @@ def _check_cpu_initialization_matches_tp1() -> None:
         close(got, want)
 
 
+def _check_direct_init_keeps_kv_replicas_identical() -> None:
+    torch.manual_seed(8)
+    qkv = GQAQKVColumnParallelLinear(H, 8, 2, 2, kv_replicator=2, use_cpu_initialization=False)
+    mine, other = collectives.all_gather(qkv.weight_qkv.data, 0, parallel_state.get_kv_shared_group()).chunk(2)
+    rows = qkv.q_size_local
+    close(mine[rows:], other[rows:])  # the two replicas of this KV head
+    assert not torch.equal(mine[:rows], other[:rows])  # different query heads
+    col = ColumnParallelLinear(H, 8, use_cpu_initialization=False)
+    shards = collectives.all_gather(col.weight.data, 0, parallel_state.get_tensor_model_parallel_group())
+    assert not torch.equal(*shards.chunk(parallel_state.get_tensor_model_parallel_world_size())[:2])
+
+
 def _tp_worker(rank: int, world_size: int, kv_replicator: int) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size, kv_replicator=kv_replicator)
     for sp in (False, True):
@@ -213,6 +225,7 @@ def _tp_worker(rank: int, world_size: int, kv_replicator: int) -> None:
             _check_qkv(nq=4, nkv=world_size, kv_replicator=1, fuse=fuse, sp=fuse)
         _check_cpu_initialization_matches_tp1()
     else:  # 2 KV heads at TP=4: each KV head replicated kv_replicator=2 times
+        _check_direct_init_keeps_kv_replicas_identical()
         for fuse in (True, False):
             _check_qkv(nq=8, nkv=world_size // kv_replicator, kv_replicator=kv_replicator, fuse=fuse, sp=not fuse)
 

@@ -365,8 +365,6 @@ def path_problems(cfg: NxdConfig) -> list[str]:
     tok = d.tokenizer.type
     if tok not in (None, "bytelevel_bpe") and not os.path.isdir(resolve_path(tok)):
         p.append(f"data.tokenizer.type: {tok!r} is neither 'bytelevel_bpe' nor an existing tokenizer directory")
-    if tok is None:
-        p.append("data.tokenizer.type: not set; give an HF tokenizer directory or 'bytelevel_bpe'")
     w = cfg.model.hf_weights_dir
     if w is not None and not os.path.isdir(resolve_path(w)):
         p.append(f"model.hf_weights_dir: no such directory: {resolve_path(w)} (expected HF safetensors files)")

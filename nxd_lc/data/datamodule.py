@@ -57,13 +57,16 @@ class PretrainingDataModule(pl.LightningDataModule):
         global_batch_size: samples per optimizer step over all DP ranks.
         barrier: optional callable all ranks reach after local rank 0 built a cache (else ranks poll the file).
     Raises:
-        ValueError: (in ``setup``) bad corpus / tokenizer / sizes, each naming its ``data.*`` key.
+        ValueError: bad sizes (here), or (in ``setup``) a bad corpus / tokenizer, each naming its ``data.*`` key.
     """
 
     def __init__(self, data_cfg: DataConfig, *, seq_length: int, seed: int, model_vocab_size: int,
                  data_parallel_rank: int, data_parallel_size: int, global_batch_size: int,
                  barrier: Callable[[], None] | None = None) -> None:
         super().__init__()
+        if seq_length < 1:
+            raise ValueError(f"data.seq_length: must be >= 1, got {seq_length}; set data.seq_length or "
+                             "model.encoder_seq_length")
         if global_batch_size % (data_cfg.micro_batch_size * data_parallel_size) != 0:
             raise ValueError(f"data.global_batch_size: {global_batch_size} is not divisible by micro_batch_size x "
                              f"DP = {data_cfg.micro_batch_size} x {data_parallel_size}")

@@ -186,8 +186,9 @@ def load_tokenizer(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterab
                              "already tokenized (input_ids); give the tokenizer directory used to tokenize it")
         cache_root = cache_dir or tok_cfg.cache_dir or DEFAULT_CACHE_DIR
         path = bpe_cache_path(tok_cfg, cache_root, corpus_fingerprint)
-        build_once(path, lambda tmp: _train_and_save(tok_cfg, train_texts_fn, tmp),
-                   is_builder=is_builder, barrier=barrier)
+        built = build_once(path, lambda tmp: _train_and_save(tok_cfg, train_texts_fn, tmp),
+                           is_builder=is_builder, barrier=barrier)
+        log.info("%s byte-level BPE tokenizer %s", "cached trained" if built else "reusing", path)
         return _load_dir(path, kind)
     directory = resolve_path(kind)
     if not os.path.isdir(directory):
@@ -200,8 +201,8 @@ def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Itera
     start = time.perf_counter()
     tok = train_bytelevel_bpe(_limited_texts(train_texts_fn(), tok_cfg.train_max_bytes), tok_cfg.vocab_size)
     tok.save_pretrained(out_dir)
-    log.info("trained byte-level BPE: %d tokens on <= %d bytes in %.1f s -> %s", len(tok),
-             tok_cfg.train_max_bytes, time.perf_counter() - start, out_dir)
+    log.info("trained byte-level BPE: %d tokens on <= %d bytes in %.1f s", len(tok), tok_cfg.train_max_bytes,
+             time.perf_counter() - start)
 
 
 def _load_dir(directory: str, kind: str) -> PreTrainedTokenizerFast:

@@ -120,7 +120,7 @@ def initialize_model_parallel(
     """Create all parallel groups over the already-initialised default process group.
 
     Must be called by every rank with the same arguments. Without torch.distributed initialised
-    only world size 1 is accepted (all sizes 1 except ``kv_replicator``, which must then be 1 too).
+    only world size 1 is accepted: every size, ``kv_replicator`` included, must be 1.
 
     Raises:
         ValueError: sizes that do not divide the world size (see :func:`rank_layout`).

@@ -22,7 +22,7 @@ class NxDModelCheckpoint(ModelCheckpoint):
     FILE_EXTENSION = ""
 
     @classmethod
-    def from_config(cls, params: CheckpointCallbackParams, dirpath: str) -> "NxDModelCheckpoint":
+    def from_config(cls, params: CheckpointCallbackParams, dirpath: str) -> NxDModelCheckpoint:
         """Build from ``exp_manager.checkpoint_callback_params``."""
         return cls(dirpath=dirpath, filename=params.filename, monitor=params.monitor,
                    save_top_k=params.save_top_k, mode=params.mode, save_last=params.save_last,

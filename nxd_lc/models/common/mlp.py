@@ -50,8 +50,8 @@ class LlamaMLP(nn.Module):
     ) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
-        common = dict(init_method=init_method, dtype=dtype, device=device,
-                      use_cpu_initialization=use_cpu_initialization)
+        common = {"init_method": init_method, "dtype": dtype, "device": device,
+                      "use_cpu_initialization": use_cpu_initialization}
         self.gate_up_proj = ColumnParallelLinear(
             hidden_size, 2 * intermediate_size, bias=bias, gather_output=False,
             sequence_parallel_enabled=sequence_parallel_enabled, stride=2, **common,

@@ -79,7 +79,7 @@ def _read_config_json(path: Path) -> dict[str, Any]:
     except json.JSONDecodeError as e:
         raise ValueError(f"model.model_config: {path} is not valid JSON (line {e.lineno}: {e.msg})") from e
     if not isinstance(raw, dict):
-        raise ValueError(f"model.model_config: {path} must hold a JSON object, got {type(raw).__name__}")
+        raise ValueError(f"model.model_config: {path} must hold a JSON object, got {type(raw).__name__}")  # noqa: TRY004
     if raw.get("model_type", "llama") != "llama":
         raise ValueError(f"model.model_config: {path} has model_type={raw['model_type']!r}; expected 'llama'")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
@@ -212,7 +212,7 @@ class LlamaDecoderLayer(nn.Module):
                  attn_kw: dict[str, Any], **layer_kw: Any) -> None:
         super().__init__()
         h, eps, sp = config.hidden_size, config.rms_norm_eps, sequence_parallel
-        norm_kw = dict(dtype=layer_kw["dtype"], device=layer_kw["device"])
+        norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"]}
         self.input_layernorm = RMSNorm(h, eps, sequence_parallel_enabled=sp, **norm_kw)
         self.self_attn = LlamaAttention(config, sequence_parallel=sp, init_method=init_method, **attn_kw,
                                         **layer_kw)
@@ -259,9 +259,9 @@ class LlamaForCausalLM(nn.Module):
         self.vocab_size = config.vocab_size
         self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp)
         init = functools.partial(_normal_init, config.initializer_range)
-        layer_kw = dict(dtype=dtype, device=device, use_cpu_initialization=use_cpu_initialization)
-        attn_kw = dict(kv_replicator=kv_replicator, fuse_qkv=fuse_qkv, qkv_linear=qkv_linear,
-                       flash_attention=flash_attention)
+        layer_kw = {"dtype": dtype, "device": device, "use_cpu_initialization": use_cpu_initialization}
+        attn_kw = {"kv_replicator": kv_replicator, "fuse_qkv": fuse_qkv, "qkv_linear": qkv_linear,
+                       "flash_attention": flash_attention}
         self.embed_tokens = ParallelEmbedding(self.padded_vocab_size, config.hidden_size,
                                               sequence_parallel_enabled=sequence_parallel, init_method=init,
                                               **layer_kw)

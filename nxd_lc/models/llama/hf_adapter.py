@@ -1,0 +1,399 @@
+"""HF <-> nxd_lc state-dict adapter for :class:`~nxd_lc.models.llama.model.LlamaForCausalLM`.
+
+HF Llama names (``LlamaForCausalLM.state_dict()``; shapes with ``nq``/``nkv`` heads of size ``hd``,
+hidden ``H``, intermediate ``I``, vocab ``V``):
+
+    model.embed_tokens.weight                       [V, H]        -> embed_tokens.weight   [Vp/tp, H] rows
+    model.layers.N.input_layernorm.weight           [H]           -> layers.N.input_layernorm.weight (replicated)
+    model.layers.N.self_attn.{q,k,v}_proj.weight    [n*hd, H]     -> layers.N.self_attn.qkv_proj.weight_qkv
+                                                                     (or weight_q/k/v; or q_proj/k_proj/v_proj.weight)
+    model.layers.N.self_attn.o_proj.weight          [H, nq*hd]    -> layers.N.self_attn.o_proj.weight [H, nq*hd/tp] cols
+    model.layers.N.post_attention_layernorm.weight  [H]           -> layers.N.post_attention_layernorm.weight
+    model.layers.N.mlp.{gate,up}_proj.weight        [I, H]        -> layers.N.mlp.gate_up_proj.weight [2I/tp, H]
+    model.layers.N.mlp.down_proj.weight             [H, I]        -> layers.N.mlp.down_proj.weight [H, I/tp] cols
+    model.norm.weight                               [H]           -> norm.weight
+    lm_head.weight                                  [V, H]        -> lm_head.weight [Vp/tp, H] rows (absent if tied)
+
+Biases (``attention_bias`` / ``mlp_bias``) follow their weights' rows; row-parallel biases are replicated.
+
+Loading (:func:`load_hf_weights`) opens the safetensors files with ``safe_open`` and reads each
+tensor through ``get_slice``, so a rank reads only its own TP shard (q/k/v: only its heads, the KV
+heads it replicates read once). :func:`export_hf_state_dict` all-gathers shards back to full HF
+tensors (a collective over TP: every rank must call it). PP > 1 is not supported yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+from typing_extensions import Self
+
+from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
+from nxd_lc.models.llama.model import LlamaForCausalLM
+
+__all__ = ["SafetensorsCheckpoint", "export_hf_state_dict", "load_hf_weights", "save_hf_weights"]
+
+logger = logging.getLogger(__name__)
+INDEX_FILE = "model.safetensors.index.json"
+# Tensors some HF checkpoints carry that have no parameter here (RoPE buffers are recomputed).
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+class SafetensorsCheckpoint:
+    """Read-only view over a safetensors checkpoint: one file, or a directory (sharded with
+    ``model.safetensors.index.json``, or any ``*.safetensors`` files). Use as a context manager.
+
+    Raises:
+        FileNotFoundError: path missing, or no safetensors file in the directory / index.
+        ValueError: malformed index json.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.weight_map = self._build_weight_map()
+        self._handles: dict[Path, object] = {}
+        self._stack = contextlib.ExitStack()
+
+    def _build_weight_map(self) -> dict[str, Path]:
+        p = self.path
+        if p.is_file():
+            return {name: p for name in _keys(p)}
+        if not p.is_dir():
+            raise FileNotFoundError(f"HF checkpoint {p} does not exist (expected a directory or a .safetensors file)")
+        index = p / INDEX_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{index}: not a valid safetensors index (needs a 'weight_map' object): {e}") from e
+            files = {name: p / fname for name, fname in weight_map.items()}
+            for f in set(files.values()):
+                if not f.is_file():
+                    raise FileNotFoundError(f"{index} lists {f.name}, which does not exist in {p}")
+            return files
+        shards = sorted(p.glob("*.safetensors"))
+        if not shards:
+            raise FileNotFoundError(f"no *.safetensors files (nor {INDEX_FILE}) in {p}; save the HF model with "
+                                    f"save_pretrained(..., safe_serialization=True)")
+        return {name: f for f in shards for name in _keys(f)}
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stack.close()
+        self._handles.clear()
+
+    def _slice(self, name: str):
+        if name not in self.weight_map:
+            raise ValueError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
+        file = self.weight_map[name]
+        if file not in self._handles:
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+        return self._handles[file].get_slice(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        """Full shape of tensor ``name`` (read from the header only)."""
+        return tuple(self._slice(name).get_shape())
+
+    def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Tensor ``name``, or only indices ``[start, stop)`` of dim ``dim`` (0 or 1), read from disk."""
+        sl = self._slice(name)
+        if dim is None:
+            return sl[:]
+        if dim == 0:
+            return sl[start:stop]
+        if dim == 1:
+            return sl[:, start:stop]
+        raise ValueError(f"can only slice dim 0 or 1, got {dim}")
+
+    def file_of(self, name: str) -> Path:
+        """The file that holds tensor ``name``."""
+        return self.weight_map[name]
+
+
+def _keys(file: Path) -> list[str]:
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        return list(f.keys())
+
+
+@dataclass
+class _Entry:
+    """One HF <-> nxd mapping. kinds: vocab (rows, padded), column (rows), row (cols), replicated,
+    gate_up (rows of gate and up, stride 2), qkv (GQA heads; ``params`` maps local names)."""
+
+    kind: str
+    hf_names: list[str]
+    params: dict[str, nn.Parameter]
+    module: nn.Module | None = None
+    qkv_part: str = "weight"
+    extra: dict[str, int] = field(default_factory=dict)
+
+
+def _linear_entries(prefix: str, hf: str, module: nn.Module, kind: str) -> list[_Entry]:
+    """Entries for a Column/RowParallelLinear: weight as ``kind``; bias follows (row bias replicated)."""
+    out = [_Entry(kind, [f"{hf}.weight"], {f"{prefix}.weight": module.weight})]
+    if getattr(module, "bias", None) is not None:
+        bias_kind = "replicated" if kind == "row" else kind
+        out.append(_Entry(bias_kind, [f"{hf}.bias"], {f"{prefix}.bias": module.bias}))
+    return out
+
+
+def _attention_entries(p: str, hp: str, attn: nn.Module) -> list[_Entry]:
+    out: list[_Entry] = []
+    if attn.qkv_linear:
+        qkv: GQAQKVColumnParallelLinear = attn.qkv_proj
+        for part in ("weight", "bias"):
+            names = ["qkv"] if qkv.fuse_qkv else ["q", "k", "v"]
+            params = {f"{p}.qkv_proj.{part}_{n}": getattr(qkv, f"{part}_{n}") for n in names}
+            if all(v is not None for v in params.values()):
+                hf = [f"{hp}.{n}_proj.{part}" for n in "qkv"]
+                out.append(_Entry("qkv", hf, params, module=qkv, qkv_part=part))
+    else:
+        for n in "qkv":
+            out += _linear_entries(f"{p}.{n}_proj", f"{hp}.{n}_proj", getattr(attn, f"{n}_proj"), "column")
+    out += _linear_entries(f"{p}.o_proj", f"{hp}.o_proj", attn.o_proj, "row")
+    return out
+
+
+def _entries(model: LlamaForCausalLM) -> list[_Entry]:
+    """All mappings of ``model``, in a fixed order (identical on every rank)."""
+    out = [_Entry("vocab", ["model.embed_tokens.weight"], {"embed_tokens.weight": model.embed_tokens.weight})]
+    for i, layer in enumerate(model.layers):
+        p, hp = f"layers.{i}", f"model.layers.{i}"
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out.append(_Entry("replicated", [f"{hp}.{norm}.weight"], {f"{p}.{norm}.weight": getattr(layer, norm).weight}))
+        out += _attention_entries(f"{p}.self_attn", f"{hp}.self_attn", layer.self_attn)
+        gate_up = layer.mlp.gate_up_proj
+        for part in ("weight", "bias"):
+            if getattr(gate_up, part, None) is not None:
+                hf = [f"{hp}.mlp.gate_proj.{part}", f"{hp}.mlp.up_proj.{part}"]
+                out.append(_Entry("gate_up", hf, {f"{p}.mlp.gate_up_proj.{part}": getattr(gate_up, part)}))
+        out += _linear_entries(f"{p}.mlp.down_proj", f"{hp}.mlp.down_proj", layer.mlp.down_proj, "row")
+    out.append(_Entry("replicated", ["model.norm.weight"], {"norm.weight": model.norm.weight}))
+    if not model.config.tie_word_embeddings:
+        out.append(_Entry("vocab", ["lm_head.weight"], {"lm_head.weight": model.lm_head.weight}))
+    _check_coverage(model, out)
+    return out
+
+
+def _check_coverage(model: nn.Module, entries: list[_Entry]) -> None:
+    """Internal invariant: the mappings cover exactly the model's parameters."""
+    mapped = {name for e in entries for name in e.params}
+    actual = {name for name, _ in model.named_parameters()}
+    if mapped != actual:
+        raise RuntimeError(f"hf_adapter mapping out of date: unmapped {sorted(actual - mapped)}, "
+                           f"unknown {sorted(mapped - actual)}")
+
+
+def _iter_params(entries: list[_Entry]) -> Iterator[tuple[str, nn.Parameter]]:
+    for e in entries:
+        yield from e.params.items()
+
+
+def _tp() -> tuple[int, int]:
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
+        raise ValueError("HF weight loading/export with pipeline_model_parallel_size > 1 is not supported yet")
+    return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
+
+
+def _expect_shape(ckpt: SafetensorsCheckpoint, name: str, expected: tuple[int, ...]) -> None:
+    """Raise ValueError naming file and tensor when the checkpoint's full shape is not ``expected``."""
+    shape = ckpt.shape(name)
+    if shape != tuple(expected):
+        raise ValueError(
+            f"tensor {name!r} in {ckpt.file_of(name)} has shape {shape}, but the model config expects "
+            f"{tuple(expected)}; the checkpoint does not match model.model_config (or its overrides)"
+        )
+
+
+def _read_shard(ckpt: SafetensorsCheckpoint, name: str, local_shape: torch.Size, dim: int) -> torch.Tensor:
+    """This rank's contiguous block of ``name`` along ``dim`` (column: 0, row: 1)."""
+    rank, tp = _tp()
+    full = list(local_shape)
+    full[dim] *= tp
+    _expect_shape(ckpt, name, tuple(full))
+    n = local_shape[dim]
+    return ckpt.read(name, dim, rank * n, (rank + 1) * n)
+
+
+def _read_vocab(ckpt: SafetensorsCheckpoint, name: str, param: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Rows of the padded vocab this rank owns; rows >= vocab_size are zero."""
+    rank, _ = _tp()
+    _expect_shape(ckpt, name, (vocab_size, *param.shape[1:]))
+    n = param.shape[0]
+    start, stop = rank * n, min((rank + 1) * n, vocab_size)
+    out = torch.zeros(param.shape, dtype=param.dtype)
+    if stop > start:
+        out[: stop - start] = ckpt.read(name, 0, start, stop)
+    return out
+
+
+def _read_gate_up(ckpt: SafetensorsCheckpoint, e: _Entry, param: torch.Tensor) -> torch.Tensor:
+    """``[gate rows of this rank; up rows of this rank]`` (stride-2 layout of ``gate_up_proj``)."""
+    half = param.shape[0] // 2
+    local_shape = torch.Size([half, *param.shape[1:]])
+    return torch.cat([_read_shard(ckpt, name, local_shape, 0) for name in e.hf_names], dim=0)
+
+
+def _read_qkv(ckpt: SafetensorsCheckpoint, e: _Entry) -> list[torch.Tensor]:
+    """Local q (this rank's query heads) and k, v (its KV heads, replicas of HF head ``(r*nkv_l+j)//K``),
+    reading only those heads' rows; returns ``[qkv]`` (fused) or ``[q, k, v]``, like the params."""
+    layer = e.module
+    assert isinstance(layer, GQAQKVColumnParallelLinear)
+    rank, _ = _tp()
+    hd, nq_l, nkv_l, k_rep = layer.head_dim, layer.num_heads_local, layer.num_kv_heads_local, layer.kv_replicator
+    rest = (layer.hidden_size,) if e.qkv_part == "weight" else ()
+    q_name, k_name, v_name = e.hf_names
+    _expect_shape(ckpt, q_name, (layer.num_attention_heads * hd, *rest))
+    q = ckpt.read(q_name, 0, rank * nq_l * hd, (rank + 1) * nq_l * hd)
+    heads = [(rank * nkv_l + j) // k_rep for j in range(nkv_l)]
+    lo, hi = heads[0], heads[-1] + 1
+
+    def read_kv(name: str) -> torch.Tensor:
+        _expect_shape(ckpt, name, (layer.num_key_value_heads * hd, *rest))
+        block = ckpt.read(name, 0, lo * hd, hi * hd).reshape(hi - lo, hd, *rest)
+        return block[[h - lo for h in heads]].reshape(nkv_l * hd, *rest)
+
+    k, v = read_kv(k_name), read_kv(v_name)
+    return [torch.cat([q, k, v], dim=0)] if layer.fuse_qkv else [q, k, v]
+
+
+def _read_entry(ckpt: SafetensorsCheckpoint, e: _Entry, vocab_size: int) -> list[torch.Tensor]:
+    """Local tensors for ``e.params`` (same order), read from the checkpoint."""
+    params = list(e.params.values())
+    if e.kind == "qkv":
+        return _read_qkv(ckpt, e)
+    p = params[0]
+    if e.kind == "vocab":
+        return [_read_vocab(ckpt, e.hf_names[0], p, vocab_size)]
+    if e.kind == "gate_up":
+        return [_read_gate_up(ckpt, e, p)]
+    if e.kind == "replicated":
+        _expect_shape(ckpt, e.hf_names[0], tuple(p.shape))
+        return [ckpt.read(e.hf_names[0])]
+    return [_read_shard(ckpt, e.hf_names[0], p.shape, 0 if e.kind == "column" else 1)]
+
+
+@torch.no_grad()
+def load_hf_weights(model: LlamaForCausalLM, path: str | Path) -> None:
+    """Copy an HF Llama safetensors checkpoint into ``model``'s (TP-sharded) parameters.
+
+    Every TP rank calls it and reads only its shard of each tensor (``safe_open(...).get_slice``);
+    no collective is issued. Tensors are cast to each parameter's dtype and device. Checkpoint
+    tensors without a parameter (e.g. layers beyond ``num_layers``) are logged and skipped.
+
+    Args:
+        path: a directory with ``model.safetensors`` or sharded files + ``model.safetensors.index.json``,
+            or a single ``.safetensors`` file.
+
+    Raises:
+        FileNotFoundError: missing path / files.
+        ValueError: a tensor is missing or its shape does not match the model config (names file and tensor).
+    """
+    entries = _entries(model)
+    used: set[str] = set()
+    with SafetensorsCheckpoint(path) as ckpt:
+        for e in entries:
+            for (name, param), value in zip(e.params.items(), _read_entry(ckpt, e, model.vocab_size)):
+                assert tuple(value.shape) == tuple(param.shape), (name, value.shape, param.shape)
+                param.copy_(value)
+            used.update(e.hf_names)
+        unused = sorted(n for n in ckpt.weight_map if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        logger.warning("load_hf_weights: %d tensors of %s have no parameter and were skipped, e.g. %s",
+                       len(unused), path, unused[:5])
+
+
+def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds)."""
+    if e.kind == "qkv":
+        layer = e.module
+        assert isinstance(layer, GQAQKVColumnParallelLinear)
+        full = layer.gather_full_qkv_weights() if e.qkv_part == "weight" else layer.gather_full_qkv_biases()
+        assert full is not None
+        return list(full)
+    full = gather_full_parameter(next(iter(e.params.values())))
+    if e.kind == "vocab":
+        return [full[: model.vocab_size]]
+    if e.kind == "gate_up":
+        return list(full.chunk(2, dim=0))
+    return [full]
+
+
+@torch.no_grad()
+def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
+                         dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """Gather ``model``'s shards into a full HF-named state dict of CPU tensors (fresh copies).
+
+    Collective over the TP group: every rank must call it. KV replicas are dropped, the vocab is
+    cut back to ``config.vocab_size``, and ``lm_head.weight`` is omitted when embeddings are tied.
+
+    Args:
+        rank0_only: keep the tensors only on global rank 0 (other ranks return ``{}``), so only one
+            full copy stays in host memory.
+        dtype: cast to this dtype (default: each parameter's dtype).
+    """
+    entries = _entries(model)
+    _tp()
+    keep = not rank0_only or collectives.get_global_rank() == 0
+    out: dict[str, torch.Tensor] = {}
+    for e in entries:
+        tensors = _export_entry(e, model)
+        if keep:
+            for name, t in zip(e.hf_names, tensors):
+                out[name] = t.to(device="cpu", dtype=dtype or t.dtype, copy=True).contiguous()
+    return out
+
+
+def _split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    """Greedy split in insertion order into dicts of at most ``max_bytes`` (a bigger tensor gets its own)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in state.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += n
+    return shards
+
+
+def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 5 * 2**30) -> None:
+    """Write ``model`` as an HF checkpoint: safetensors (+ index when sharded) and ``config.json``.
+
+    Collective: every rank calls it; global rank 0 writes, then all ranks meet at a barrier. Files:
+    ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
+    when the weights exceed ``max_shard_bytes``. ``config.json`` is ``model.config`` (unpadded vocab),
+    loadable with ``transformers.LlamaForCausalLM.from_pretrained``.
+    """
+    state = export_hf_state_dict(model, rank0_only=True, dtype=dtype)
+    if collectives.get_global_rank() == 0:
+        out = Path(path)
+        out.mkdir(parents=True, exist_ok=True)
+        shards = _split_shards(state, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        else:
+            weight_map: dict[str, str] = {}
+            for i, shard in enumerate(shards, start=1):
+                fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+                save_file(shard, str(out / fname), metadata={"format": "pt"})
+                weight_map.update({name: fname for name in shard})
+            total = sum(t.numel() * t.element_size() for t in state.values())
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
+        model.config.save_pretrained(str(out))
+    collectives.barrier()
