@@ -196,7 +196,6 @@ def _parity_worker(rank: int, world: int, setup: dict, kv_replicator: int, varia
 
 
 @pytest.mark.distributed
-@pytest.mark.slow
 def test_tp2_sequence_parallel_parity(setup: dict) -> None:
     variants = [
         {"sequence_parallel": True, "fuse_qkv": True, "flash_attention": True},

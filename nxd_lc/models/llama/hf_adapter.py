@@ -25,10 +25,10 @@ tensors (a collective over TP: every rank must call it). PP > 1 is not supported
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import logging
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ class SafetensorsCheckpoint:
     def _build_weight_map(self) -> dict[str, Path]:
         p = self.path
         if p.is_file():
-            return {name: p for name in _keys(p)}
+            return dict.fromkeys(_keys(p), p)
         if not p.is_dir():
             raise FileNotFoundError(f"HF checkpoint {p} does not exist (expected a directory or a .safetensors file)")
         index = p / INDEX_FILE
@@ -137,7 +137,6 @@ class _Entry:
     params: dict[str, nn.Parameter]
     module: nn.Module | None = None
     qkv_part: str = "weight"
-    extra: dict[str, int] = field(default_factory=dict)
 
 
 def _linear_entries(prefix: str, hf: str, module: nn.Module, kind: str) -> list[_Entry]:
@@ -172,7 +171,8 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
     for i, layer in enumerate(model.layers):
         p, hp = f"layers.{i}", f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            out.append(_Entry("replicated", [f"{hp}.{norm}.weight"], {f"{p}.{norm}.weight": getattr(layer, norm).weight}))
+            weight = getattr(layer, norm).weight
+            out.append(_Entry("replicated", [f"{hp}.{norm}.weight"], {f"{p}.{norm}.weight": weight}))
         out += _attention_entries(f"{p}.self_attn", f"{hp}.self_attn", layer.self_attn)
         gate_up = layer.mlp.gate_up_proj
         for part in ("weight", "bias"):
@@ -194,11 +194,6 @@ def _check_coverage(model: nn.Module, entries: list[_Entry]) -> None:
     if mapped != actual:
         raise RuntimeError(f"hf_adapter mapping out of date: unmapped {sorted(actual - mapped)}, "
                            f"unknown {sorted(mapped - actual)}")
-
-
-def _iter_params(entries: list[_Entry]) -> Iterator[tuple[str, nn.Parameter]]:
-    for e in entries:
-        yield from e.params.items()
 
 
 def _tp() -> tuple[int, int]:
@@ -376,8 +371,8 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
 
     Collective: every rank calls it; global rank 0 writes, then all ranks meet at a barrier. Files:
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
-    when the weights exceed ``max_shard_bytes``. ``config.json`` is ``model.config`` (unpadded vocab),
-    loadable with ``transformers.LlamaForCausalLM.from_pretrained``.
+    when the weights exceed ``max_shard_bytes``. ``config.json`` is ``model.config`` (unpadded vocab)
+    with its dtype set to the saved tensors' dtype, loadable with ``transformers.LlamaForCausalLM.from_pretrained``.
     """
     state = export_hf_state_dict(model, rank0_only=True, dtype=dtype)
     if collectives.get_global_rank() == 0:
@@ -391,9 +386,12 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
             for i, shard in enumerate(shards, start=1):
                 fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
                 save_file(shard, str(out / fname), metadata={"format": "pt"})
-                weight_map.update({name: fname for name in shard})
+                weight_map.update(dict.fromkeys(shard, fname))
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        model.config.save_pretrained(str(out))
+        config = copy.deepcopy(model.config)
+        saved_dtype = dtype or next(iter(state.values())).dtype
+        setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", saved_dtype)
+        config.save_pretrained(str(out))
     collectives.barrier()

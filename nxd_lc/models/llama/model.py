@@ -130,7 +130,7 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
     _apply_overrides(raw, overrides)
     try:
         config = LlamaConfig.from_dict(raw)
-    except (TypeError, ValueError) as e:
+    except Exception as e:  # noqa: BLE001 - transformers raises strict-validation errors, KeyError, ...
         raise ValueError(f"model.model_config: {model_config_path} is not a valid Llama config: {e}") from e
     seq = overrides.get("encoder_seq_length")
     if seq not in (None, -1) and seq > config.max_position_embeddings:
