@@ -123,6 +123,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         global_batch_size=cfg.data.global_batch_size)
     module = NxDLanguageModel(cfg, model, consumed_samples_fn=lambda: data.consumed_samples,
                               advance_samples_fn=data.advance)
+    exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
     ckpt_path = exp_manager.resume_checkpoint_path(cfg, paths)
     if ckpt_path and runtime.rank == 0:
         log.info("resuming from %s", ckpt_path)

@@ -65,7 +65,7 @@ def _train_cmd(log_dir: str, corpus: str, cache: str, max_steps: int) -> list[st
     return [TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", "--config-name", "cpu_tiny_llama_config",
             f"exp_manager.explicit_log_dir={log_dir}", f"trainer.max_steps={max_steps}",
             "trainer.log_every_n_steps=1", "trainer.val_check_interval=4", "trainer.limit_val_batches=2",
-            "trainer.enable_progress_bar=false",
+            "+trainer.enable_progress_bar=false",
             "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
             "exp_manager.checkpoint_callback_params.save_top_k=2",
             "~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=**/*.py",

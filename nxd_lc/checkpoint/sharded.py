@@ -9,7 +9,7 @@ Layout (NxD ``neuronx_distributed.trainer.checkpoint``)::
         model/dp_rank_00_tp_rank_XX_pp_rank_XX.pt   # model shard, written by DP rank 0 only
         optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt   # optimizer shard (every DP rank under zero1)
         user_content.pt                        # trainer/user state, written by global rank 0
-        done                                   # completion marker, written last
+        done                                   # completion marker (JSON: tag, step, time), last
 
 With xser each shard ``<f>.pt`` is a structure file plus ``<f>.pt.tensors/tensor_<i>.pt``
 (:mod:`nxd_lc.checkpoint.xser`). ``newest`` follows NxD 2.16 (the last line is the newest tag);
@@ -50,6 +50,7 @@ from nxd_lc.checkpoint.xser import (
     save_xser,
     torch_save_file,
 )
+from nxd_lc.distributed import collectives
 
 logger = logging.getLogger(__name__)
 
@@ -93,36 +94,26 @@ def _trash_dir(ckpt_root: str, tag: str) -> str:
     return os.path.join(ckpt_root, f".{tag}.trash-{uuid.uuid4().hex}")
 
 
-def _barrier() -> None:
-    """Barrier over all ranks: ``collectives.barrier`` when present, else torch.distributed."""
-    try:
-        from nxd_lc.distributed.collectives import barrier
-    except ImportError:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-        return
-    barrier()
-
-
 def _all_ranks_ok(ok: bool) -> bool:
-    """Collective over the default group: True iff ``ok`` on every rank (a barrier with a vote).
+    """Collective over the world group: True iff ``ok`` on every rank (a barrier with a vote).
 
     gloo votes with a CPU tensor, nccl with one on the current CUDA device. Other backends only
-    get a barrier, so there a rank cannot learn of another rank's failure (documented limit).
+    get :func:`collectives.barrier`, so there a rank cannot learn of another rank's failure.
+    Without torch.distributed it returns ``ok``.
     """
-    if not (dist.is_available() and dist.is_initialized()):
+    if not collectives.is_initialized():
         return ok
-    backend = str(dist.get_backend())
+    backend = str(dist.get_backend()).lower()
     if "gloo" in backend:
         device = torch.device("cpu")
     elif "nccl" in backend:
         device = torch.device("cuda", torch.cuda.current_device())
     else:
-        _barrier()
+        collectives.barrier()
         return ok
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return True
+    collectives.all_reduce(flag, dist.group.WORLD, op="min")
+    return bool(flag.item())
 
 
 def _collective_phase(phase: str, tag: str, fn: Callable[[], None]) -> None:
@@ -204,6 +195,10 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
                     step: int | None = None) -> str:
     """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic.
+
+    Every rank of the world group must call it (also ranks that write nothing): it votes three
+    times (staging prepared, shards written, commit done) so that a failure on any rank makes
+    every rank raise and nothing is published.
 
     Args:
         ckpt_root: checkpoint directory shared by all ranks (created if missing).

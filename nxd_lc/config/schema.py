@@ -27,7 +27,7 @@ class TrainerConfig:
     max_epochs: int = -1  # -1 = unlimited; training stops at max_steps
     max_steps: int = 1000  # number of optimizer steps
     log_every_n_steps: int = 10  # metrics are logged every N optimizer steps
-    val_check_interval: Any = 1.0  # int = every N micro-batches of training, float = fraction of an epoch
+    val_check_interval: Any = 1.0  # int = validate every N optimizer steps (as NxDT), float = fraction of an epoch
     check_val_every_n_epoch: Optional[int] = None  # None = validate on val_check_interval only
     num_sanity_val_steps: int = 0  # validation batches run before training
     limit_val_batches: Any = 1.0  # int = number of validation batches, float = fraction; 0 disables validation

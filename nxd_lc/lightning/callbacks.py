@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any, Optional
 
@@ -9,6 +10,8 @@ import pytorch_lightning as pl
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from nxd_lc.config.schema import CheckpointCallbackParams
+
+log = logging.getLogger("nxd_lc.metrics")
 
 
 class NxDModelCheckpoint(ModelCheckpoint):
@@ -29,6 +32,16 @@ class NxDModelCheckpoint(ModelCheckpoint):
                    every_n_train_steps=params.every_n_train_steps, save_on_train_epoch_end=False,
                    auto_insert_metric_name=True)
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """After a resume, do not re-save the step that was just restored.
+
+        Lightning calls ``on_train_batch_end`` for every micro-batch; with gradient accumulation the first
+        micro-batches after a resume still see the restored ``global_step``, and the base class (whose
+        "last saved step" is not part of its state) would write that step again under a different name.
+        """
+        super().on_train_start(trainer, pl_module)
+        self._last_global_step_saved = trainer.global_step
+
 
 class ThroughputLogger(pl.Callback):
     """Logs ``throughput/tokens_per_sec`` and ``throughput/seqs_per_sec`` of the whole job per optimizer step.
@@ -47,20 +60,19 @@ class ThroughputLogger(pl.Callback):
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
         self._last_time: Optional[float] = None
-        self._last_step = -1
-        self.train_start_time: Optional[float] = None
+        self._last_step: Optional[int] = None
         self.last_tokens_per_sec: Optional[float] = None
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.train_start_time = time.perf_counter()
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
+        if self._last_step is None:  # first micro-batch of the run (or of a resumed run): no step boundary yet
+            self._last_step = step
+            return
         if step == self._last_step:  # still accumulating
             return
         now = time.perf_counter()
-        if self._last_time is not None and step > self._last_step >= 0:
+        if self._last_time is not None:
             dt = max(now - self._last_time, 1e-9) / (step - self._last_step)
             seqs = self.global_batch_size / dt
             self.last_tokens_per_sec = seqs * self.seq_length
@@ -72,3 +84,43 @@ class ThroughputLogger(pl.Callback):
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # validation time is not training throughput: restart the clock
         self._last_time = time.perf_counter()
+
+
+class MetricsPrinter(pl.Callback):
+    """Writes one line of metrics every ``log_every_n_steps`` optimizer steps to the ``nxd_lc.metrics`` logger
+    (console and the run's text log), from global rank 0, plus ``val_loss`` after each validation.
+
+    The values are the ones the LightningModule logged (``reduced_train_loss`` is the DP-mean of the step's
+    micro-batch losses).
+    """
+
+    KEYS = (("reduced_train_loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("gradient_norm", "grad_norm",
+            "{:.3f}"), ("parameter_norm", "param_norm", "{:.2f}"), ("throughput/tokens_per_sec", "tokens/s",
+            "{:.0f}"), ("throughput/seqs_per_sec", "seqs/s", "{:.3f}"), ("consumed_samples", "consumed", "{:.0f}"))
+
+    def __init__(self, log_every_n_steps: int, max_steps: int) -> None:
+        self.log_every_n_steps = log_every_n_steps
+        self.max_steps = max_steps
+        self._last_step: Optional[int] = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        step = trainer.global_step
+        first = self._last_step is None
+        if step == self._last_step or not trainer.is_global_zero:
+            return
+        self._last_step = step
+        if first:  # the restored/initial step: nothing trained yet in this run
+            return
+        if step % self.log_every_n_steps != 0 and step != self.max_steps:
+            return
+        metrics = trainer.callback_metrics
+        parts = [f"step {step}/{self.max_steps}"]
+        for key, label, fmt in self.KEYS:
+            if key in metrics:
+                parts.append(f"{label} {fmt.format(float(metrics[key]))}")
+        log.info(" | ".join(parts))
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
+            log.info("step %d | val_loss %.4f", trainer.global_step, float(trainer.callback_metrics["val_loss"]))

@@ -20,6 +20,7 @@ from pytorch_lightning.loggers import Logger, TensorBoardLogger
 from nxd_lc.checkpoint import sharded
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import ConfigError, resolve_path
+from nxd_lc.distributed import collectives
 from nxd_lc.lightning.callbacks import NxDModelCheckpoint
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,15 @@ def build_checkpoint_callback(cfg: NxdConfig, paths: ExpPaths) -> Optional[NxDMo
     if not cfg.exp_manager.create_checkpoint_callback:
         return None
     return NxDModelCheckpoint.from_config(cfg.exp_manager.checkpoint_callback_params, paths.checkpoint_dir)
+
+
+def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
+    """Before training: rank 0 removes staging directories left by a crashed save (a staging directory that
+    was fully written and marked ``done`` is published instead); all ranks wait for it."""
+    if is_global_zero and os.path.isdir(paths.checkpoint_dir):
+        for name in sharded.cleanup_partial(paths.checkpoint_dir):
+            log.warning("removed the leftover of an interrupted checkpoint save: %s", name)
+    collectives.barrier()
 
 
 def resume_checkpoint_path(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:

@@ -8,7 +8,7 @@ import pytorch_lightning as pl
 
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import data_parallel_size, seq_length
-from nxd_lc.lightning.callbacks import ThroughputLogger
+from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.runtime.device import RuntimeInfo
@@ -32,21 +32,25 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overr
         **overrides: extra ``pl.Trainer`` keyword arguments (tests).
     """
     t = cfg.trainer
-    callbacks: list[pl.Callback] = [ThroughputLogger(cfg.data.global_batch_size, seq_length(cfg) or 0)]
+    callbacks: list[pl.Callback] = [ThroughputLogger(cfg.data.global_batch_size, seq_length(cfg) or 0),
+                                    MetricsPrinter(t.log_every_n_steps, t.max_steps)]
     ckpt = build_checkpoint_callback(cfg, paths)
     if ckpt is not None:
         callbacks.append(ckpt)
     loggers = build_loggers(cfg, paths)
+    accumulation = gradient_accumulation_steps(cfg)
+    # NxDT counts an int val_check_interval in optimizer steps; Lightning counts training batches (micro-batches)
+    val_check = t.val_check_interval * accumulation if isinstance(t.val_check_interval, int) else t.val_check_interval
     em = cfg.exp_manager
     strategy = NxDStrategy(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                            process_group_backend=runtime.backend)
     kwargs: dict[str, Any] = dict(
         accelerator=runtime.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
         max_epochs=t.max_epochs, max_steps=t.max_steps, log_every_n_steps=t.log_every_n_steps,
-        val_check_interval=t.val_check_interval, check_val_every_n_epoch=t.check_val_every_n_epoch,
+        val_check_interval=val_check, check_val_every_n_epoch=t.check_val_every_n_epoch,
         num_sanity_val_steps=t.num_sanity_val_steps, limit_val_batches=t.limit_val_batches,
         limit_test_batches=t.limit_test_batches, gradient_clip_val=t.gradient_clip_val,
-        accumulate_grad_batches=gradient_accumulation_steps(cfg), precision="32-true",
+        accumulate_grad_batches=accumulation, precision="32-true",
         logger=loggers if loggers else False, callbacks=callbacks, enable_checkpointing=ckpt is not None,
         use_distributed_sampler=False, enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=False, default_root_dir=paths.log_dir,
