@@ -12,9 +12,11 @@ import sys
 
 import hydra
 
+from nxd_lc.config.schema import register_configs
 from nxd_lc.train import hydra_defaults, hydra_task
 
 if __name__ == "__main__":
+    register_configs()  # `defaults: [nxd_lc_schema, _self_]` in a YAML makes Hydra type-check it too
     given = {a.split("=")[0].lstrip("+~") for a in sys.argv[1:]}
     sys.argv += [d for d in hydra_defaults() if d.split("=")[0] not in given]
     conf_dir = os.path.join(os.path.dirname(os.path.abspath(__file__)), "conf")

@@ -386,6 +386,8 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
         (ds.context_parallel_size != 1, "distributed_strategy.context_parallel_size", ds.context_parallel_size),
         (ds.zero1, "distributed_strategy.zero1", ds.zero1),
         (cfg.precision.type != "fp32", "precision.type", cfg.precision.type),
+        (cfg.precision.master_weights, "precision.master_weights", True),
+        (cfg.precision.fp32_grad_acc, "precision.fp32_grad_acc", True),
         (cfg.precision.parallel_layers_reduce_dtype not in (None, "fp32", "float32"),
          "precision.parallel_layers_reduce_dtype", cfg.precision.parallel_layers_reduce_dtype),
         (m.activations_checkpoint_granularity is not None, "model.activations_checkpoint_granularity",

@@ -76,7 +76,8 @@ class NxDStrategy(DDPStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read this rank's shards of ``<root>/<tag>`` back into one Lightning checkpoint dict."""
         root, tag = os.path.split(os.path.abspath(str(checkpoint_path)))
-        model_state, optim_state, content = sharded.load_checkpoint(root, tag, load_optim=True, **self._ranks())
+        model_state, optim_state, content = sharded.load_checkpoint(root, tag, load_optim=True,
+                                                                    use_xser=self.load_xser, **self._ranks())
         checkpoint = dict(content)
         checkpoint[MODEL_KEY] = model_state
         if optim_state:
