@@ -76,6 +76,26 @@ def _build_model(cfg: NxdConfig) -> Any:
     return hf_config, model
 
 
+def load_model_weights(model: Any, checkpoint_path: str) -> None:
+    """Load only the model weights of an nxd_lc checkpoint ``<root>/<tag>`` into ``model`` (this rank's shard).
+
+    Used by ``model.weight_init_only``. The checkpoint must have this run's TP/PP layout (convert through HF with
+    ``python -m nxd_lc.checkpoint.convert`` otherwise).
+
+    Raises:
+        FileNotFoundError: the shard for this rank is missing (names the TP/PP sizes found).
+    """
+    from nxd_lc.checkpoint import sharded
+    from nxd_lc.distributed import parallel_state as ps
+
+    root, tag = os.path.split(os.path.abspath(checkpoint_path))
+    state, _, _ = sharded.load_checkpoint(root, tag, dp_rank=ps.get_data_parallel_rank(),
+                                          tp_rank=ps.get_tensor_model_parallel_rank(),
+                                          pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False)
+    prefix = "model."
+    model.load_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()})
+
+
 def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[str, Any]] = None) -> Any:
     """Run the job described by ``raw`` (a composed Hydra config). Returns the Trainer (None on dry run).
 
@@ -124,9 +144,11 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     module = NxDLanguageModel(cfg, model, consumed_samples_fn=lambda: data.consumed_samples,
                               advance_samples_fn=data.advance)
     exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
-    ckpt_path = exp_manager.resume_checkpoint_path(cfg, paths)
-    if ckpt_path and runtime.rank == 0:
-        log.info("resuming from %s", ckpt_path)
+    ckpt_path, weights_path = exp_manager.resume_plan(cfg, paths)
+    if weights_path:
+        load_model_weights(model, weights_path)
+    if runtime.rank == 0 and (ckpt_path or weights_path):
+        log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
     trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     return trainer

@@ -12,7 +12,7 @@ non-default value with ``not supported yet: <key>`` before anything is built (se
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
@@ -86,6 +86,7 @@ class DistributedStrategyConfig:
     zero1: bool = False  # shard optimizer state over DP (precision/optimizer issue)
     sequence_parallel: bool = False  # split activations outside the TP region along the sequence
     kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
+    context_parallel_algo: str = "ring"  # ring (load-balanced ring attention) | ulysses (all-to-all over heads)
 
 
 @dataclass
@@ -113,6 +114,7 @@ class DataConfig:
     seq_length: Optional[int] = None  # tokens per sequence; defaults to model.encoder_seq_length
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
+    cross_document_attention: bool = False  # False: attention stays inside each packed document (ProLong)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
@@ -162,6 +164,10 @@ class ModelConfig:
     rope_theta: Optional[float] = None  # overrides config.json rope_theta
     qkv_linear: bool = True  # use GQAQKVColumnParallelLinear (needed when KV heads < TP)
     fuse_qkv: bool = True  # one fused [q+2kv, hidden] QKV weight
+    hf_config_overrides: Optional[Dict[str, Any]] = None  # merged over config.json (e.g. rope_scaling: {...})
+    tiled_loss_chunk_size: Optional[int] = None  # tokens per chunk of the tiled vocab-parallel CE (None: untiled)
+    tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
+    weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null (full/selective: long-context issue)
     activations_checkpoint_recompute: Optional[List[str]] = None  # modules recomputed with 'selective'

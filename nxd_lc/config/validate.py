@@ -273,6 +273,53 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+def _context_parallel_problems(cfg: NxdConfig) -> list[str]:
+    """CP layout rules: ring needs 2*cp chunks, Ulysses needs heads divisible by cp, SP splits the CP shard."""
+    p: list[str] = []
+    ds, s = cfg.distributed_strategy, seq_length(cfg)
+    cp, tp = ds.context_parallel_size, ds.tensor_model_parallel_size
+    if ds.context_parallel_algo not in ("ring", "ulysses"):
+        near = difflib.get_close_matches(ds.context_parallel_algo, ["ring", "ulysses"], n=1)
+        hint = f"did you mean '{near[0]}'? " if near else ""
+        p.append(f"distributed_strategy.context_parallel_algo: unknown value {ds.context_parallel_algo!r}; "
+                 f"{hint}choose ring or ulysses")
+        return p
+    if cp <= 1 or s is None or tp < 1:
+        return p
+    chunks = 2 * cp if ds.context_parallel_algo == "ring" else cp
+    if s % chunks != 0:
+        p.append(f"data.seq_length: {s} must be divisible by {chunks} for context_parallel_size {cp} with "
+                 f"context_parallel_algo {ds.context_parallel_algo}"
+                 + (" (load-balanced ring: 2 x CP chunks)" if ds.context_parallel_algo == "ring" else ""))
+    elif ds.sequence_parallel and (s // cp) % tp != 0:
+        p.append(f"data.seq_length: the per-CP-rank sequence {s // cp} must be divisible by "
+                 f"tensor_model_parallel_size {tp} under sequence_parallel")
+    hf = read_model_json(cfg)
+    if hf and ds.context_parallel_algo == "ulysses":
+        heads = int(hf.get("num_attention_heads", 0))
+        if tp >= 1 and heads % tp == 0 and (heads // tp) % cp != 0:
+            p.append(f"distributed_strategy.context_parallel_size: Ulysses needs the query heads per TP rank "
+                     f"({heads} / TP {tp} = {heads // tp}) divisible by context_parallel_size {cp}; use ring or "
+                     f"change the degrees")
+    return p
+
+
+def _memory_problems(cfg: NxdConfig) -> list[str]:
+    p: list[str] = []
+    m = cfg.model
+    for key in ("tiled_loss_chunk_size", "tiled_mlp_chunk_size"):
+        v = getattr(m, key)
+        if v is not None and v < 1:
+            p.append(f"model.{key}: must be >= 1 tokens (or null to disable), got {v}")
+    if m.activations_checkpoint_granularity == "selective" and not m.activations_checkpoint_recompute:
+        p.append("model.activations_checkpoint_recompute: 'selective' granularity needs module names to "
+                 "recompute, e.g. [CoreAttention]")
+    if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
+        p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
+                 "weights initialise this run)")
+    return p
+
+
 def _head_problems(cfg: NxdConfig) -> list[str]:
     p: list[str] = []
     m, ds = cfg.model, cfg.distributed_strategy
@@ -346,7 +393,7 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
     return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg)
-            + _choice_problems(cfg))
+            + _context_parallel_problems(cfg) + _memory_problems(cfg) + _choice_problems(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

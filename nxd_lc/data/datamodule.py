@@ -1,8 +1,15 @@
 """Lightning data module for pretraining: source -> tokenizer -> packed samples -> sampler -> collate.
 
-Batches are dicts of int64 tensors, all ``[B, S]`` (B = micro batch, S = seq_length):
-``input_ids`` (tokens ``sample[:-1]``), ``labels`` (``sample[1:]``, the next token at each position) and
-``position_ids`` (``0 .. S-1`` per row).
+Batches are dicts of ``[B, S]`` tensors (B = micro batch, S = seq_length): ``input_ids`` int64 (tokens
+``sample[:-1]``), ``labels`` int64 (``sample[1:]``, the next token at each position; -100 = no loss),
+``position_ids`` int64 and ``segment_ids`` int32. ``data.cross_document_attention`` chooses how packed documents
+see each other (see :func:`nxd_lc.data.packing.packed_document_ids`):
+
+* false (default, ProLong): attention stays inside each document; ``position_ids`` restart at 0 after every EOS,
+  ``segment_ids`` number the documents of the row, and the label of each EOS position is -100 (the first token
+  of the next document is not predictable from the EOS's own document);
+* true (Nemotron-UltraLong): the row attends causally as a whole; ``position_ids`` are ``0..S-1`` and
+  ``segment_ids`` are all 0.
 
 Resume contract: the module keeps ``consumed_samples`` (samples consumed over ALL data-parallel ranks). The
 training code must call :meth:`PretrainingDataModule.advance` with ``global_batch_size`` after every optimizer
@@ -13,6 +20,7 @@ Lightning saves :meth:`state_dict` in checkpoints and calls :meth:`load_state_di
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -23,7 +31,12 @@ import torch
 from torch.utils.data import DataLoader
 
 from nxd_lc.config.schema import DataConfig
-from nxd_lc.data.packing import PackedDataset, build_packed_samples
+from nxd_lc.data.packing import (
+    PackedDataset,
+    build_packed_samples,
+    mask_document_end_labels,
+    packed_document_ids,
+)
 from nxd_lc.data.sampler import PretrainingSampler
 from nxd_lc.data.sources import DocumentSource, builtin_source, iter_documents, resolve_source, split_source
 from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, check_vocab, load_tokenizer
@@ -34,15 +47,27 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-def collate_packed(rows: list[np.ndarray]) -> dict[str, torch.Tensor]:
-    """Stack packed rows ``[S + 1]`` into ``{input_ids, labels, position_ids}``, each int64 ``[B, S]``."""
+def collate_packed(rows: list[np.ndarray], *, eos_id: int | None = None,
+                   cross_document_attention: bool = False) -> dict[str, torch.Tensor]:
+    """Stack packed rows ``[S + 1]`` into ``{input_ids, labels, position_ids, segment_ids}``, each ``[B, S]``.
+
+    Args:
+        rows: packed samples (``sample[:-1]`` are the inputs, ``sample[1:]`` the labels).
+        eos_id: the document separator. None means no boundaries are known: every row is one document.
+        cross_document_attention: ``data.cross_document_attention`` (module doc).
+    Returns:
+        int64 ``input_ids``, ``labels``, ``position_ids`` and int32 ``segment_ids`` (module doc).
+    """
     samples = torch.from_numpy(np.stack(rows).astype(np.int64))
     batch, seq = samples.shape[0], samples.shape[1] - 1
-    return {
-        "input_ids": samples[:, :-1].contiguous(),
-        "labels": samples[:, 1:].contiguous(),
-        "position_ids": torch.arange(seq, dtype=torch.long).unsqueeze(0).repeat(batch, 1),
-    }
+    input_ids, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+    if cross_document_attention or eos_id is None:
+        position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).repeat(batch, 1)
+        segment_ids = torch.zeros(batch, seq, dtype=torch.int32)
+    else:
+        position_ids, segment_ids = packed_document_ids(input_ids, eos_id)
+        labels = mask_document_end_labels(labels, input_ids, eos_id)
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids}
 
 
 class PretrainingDataModule(pl.LightningDataModule):
@@ -209,5 +234,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         return self._loader(self.val_dataset, sampler)
 
     def _loader(self, dataset: PackedDataset | None, sampler: PretrainingSampler) -> DataLoader:
+        collate = functools.partial(collate_packed, eos_id=self.eos_token_id,
+                                    cross_document_attention=self.cfg.cross_document_attention)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers,
-                          collate_fn=collate_packed, persistent_workers=False)
+                          collate_fn=collate, persistent_workers=False)

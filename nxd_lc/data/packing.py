@@ -11,6 +11,12 @@ token after the first is a label exactly once. The result is a numpy int32 array
 ``N = (T - 1) // S``; ``input_ids = sample[:-1]`` and ``labels = sample[1:]``. The ``T - (N*S + 1)`` tail
 tokens are dropped and reported through logging.
 
+Document boundaries (:func:`packed_document_ids`, applied per batch by the collate function): the EOS that ends a
+document belongs to that document, so a new document starts right after each EOS; a sample that starts in the
+middle of a document starts a document at position 0. ``position_ids`` restart at 0 with each document and
+``segment_ids`` number the documents of a row 0, 1, 2, ... (non-decreasing along S). With cross-document
+attention (Nemotron-UltraLong style) the whole row is one segment: positions ``0..S-1``, segment ids all 0.
+
 Packed arrays are cached as ``<cache_dir>/packed/<key>.npy`` with key = SHA-256 of (source fingerprint,
 tokenizer fingerprint, seq_length, format version), built once per node by :func:`build_once` and memory-mapped
 by every rank (and DataLoader worker).
@@ -27,6 +33,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import torch
 import torch.utils.data
 
 from nxd_lc.config.validate import resolve_path
@@ -114,6 +121,42 @@ def cut_samples(stream: np.ndarray, seq_length: int) -> np.ndarray:
         out[:, :seq_length] = stream[: n * seq_length].reshape(n, seq_length)
         out[:, seq_length] = stream[seq_length: (n + 1) * seq_length: seq_length]
     return out
+
+
+def packed_document_ids(input_ids: torch.Tensor, eos_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-document ``(position_ids, segment_ids)`` of packed rows ``input_ids [B, S]``.
+
+    A document ends with (and includes) each ``eos_id`` token; the next token starts a new document. The first
+    token of a row always starts a document (a row may begin mid-document).
+
+    Returns:
+        ``position_ids`` int64 ``[B, S]`` (offset of each token inside its document, 0 at each start) and
+        ``segment_ids`` int32 ``[B, S]`` (0-based document index within the row, non-decreasing).
+    Raises:
+        ValueError: ``input_ids`` is not a 2-D integer tensor.
+    """
+    if input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise ValueError(f"input_ids must be an integer [B, S] tensor, got {input_ids.dtype} "
+                         f"{tuple(input_ids.shape)}")
+    b, s = input_ids.shape
+    is_eos = input_ids == eos_id
+    starts = torch.zeros_like(is_eos)
+    starts[:, 1:] = is_eos[:, :-1]
+    segment_ids = starts.cumsum(dim=1).to(torch.int32)  # 0 for the first document (starts[:, 0] is False)
+    ar = torch.arange(s, device=input_ids.device).expand(b, s)
+    start_pos = torch.where(starts, ar, torch.zeros_like(ar)).cummax(dim=1).values
+    return ar - start_pos, segment_ids
+
+
+def mask_document_end_labels(labels: torch.Tensor, input_ids: torch.Tensor, eos_id: int,
+                             ignore_index: int = -100) -> torch.Tensor:
+    """Copy of ``labels [B, S]`` with ``ignore_index`` where ``input_ids`` is ``eos_id``.
+
+    Under document masking the EOS position only sees its own document, and run alone that document has no
+    next token: its label (the first token of the next document) is not a target. This makes the loss of a
+    packed row the sum of its documents' losses.
+    """
+    return labels.masked_fill(input_ids == eos_id, ignore_index)
 
 
 def packed_cache_path(cache_dir: str, source: DocumentSource, tokenizer: PreTrainedTokenizerFast,

@@ -185,6 +185,51 @@ def all_to_all(
     return torch.cat(outputs, dim=gather_dim)
 
 
+class RingExchange:
+    """Handle of an in-flight :func:`ring_exchange`; :meth:`wait` returns the received tensors.
+
+    Keeps the sent tensors alive until the exchange completes (the backend reads them asynchronously).
+    """
+
+    def __init__(self, works: list, sent: list[torch.Tensor], received: list[torch.Tensor]) -> None:
+        self._works, self._sent, self._received = works, sent, received
+
+    def wait(self) -> list[torch.Tensor]:
+        """Block until every send and receive finished; return the received tensors (input order)."""
+        for work in self._works:
+            work.wait()
+        self._works, self._sent = [], []
+        return self._received
+
+
+def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, tag: int = 0) -> RingExchange:
+    """Asynchronously send ``tensors`` to the next rank of ``group`` and receive the previous rank's.
+
+    Group rank ``r`` sends to ``(r + 1) % n`` and receives from ``(r - 1) % n`` (ring attention's K/V rotation,
+    Liu et al. 2023, arXiv:2310.01889). Received tensors have the shapes/dtypes of the sent ones (every rank
+    must pass the same shapes). Point-to-point ops go through ``batch_isend_irecv`` (gloo and nccl), one tag
+    per tensor (``tag``, ``tag + 1``, ...; give exchanges that can be in flight together disjoint tag ranges).
+    With ``group=None`` or a group of size 1 the "next rank" is this rank: the inputs come back.
+
+    Returns:
+        a :class:`RingExchange`; call ``.wait()`` before reading the received tensors.
+    """
+    size = group_size(group)
+    if size == 1:
+        return RingExchange([], [], list(tensors))
+    rank = dist.get_rank(group)
+    nxt = dist.get_global_rank(group, (rank + 1) % size)
+    prev = dist.get_global_rank(group, (rank - 1) % size)
+    sent = [t.contiguous() for t in tensors]
+    received = [torch.empty_like(t) for t in sent]
+    ops = []
+    for i, (out, inp) in enumerate(zip(sent, received)):
+        ops.append(dist.P2POp(dist.isend, out, nxt, group, tag + i))
+        ops.append(dist.P2POp(dist.irecv, inp, prev, group, tag + i))
+    works = dist.batch_isend_irecv(ops)
+    return RingExchange(list(works), sent, received)
+
+
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
     """In-place broadcast from ``src`` (a rank *inside* ``group``) to all ranks; returns ``tensor``."""
     if group_size(group) == 1:

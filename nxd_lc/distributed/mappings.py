@@ -184,3 +184,31 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
         ValueError: if ``S`` is not divisible by the TP size.
     """
     return _ReduceScatterToSP.apply(x)
+
+
+class _AllToAllCP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+        ctx.dims = (scatter_dim, gather_dim)
+        return collectives.all_to_all(x, scatter_dim, gather_dim, parallel_state.get_context_parallel_group())
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        scatter_dim, gather_dim = ctx.dims
+        group = parallel_state.get_context_parallel_group()
+        return collectives.all_to_all(grad.contiguous(), gather_dim, scatter_dim, group), None, None
+
+
+def all_to_all_context_parallel_region(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """All-to-all over the context-parallel (CP) group (DeepSpeed-Ulysses, Jacobs et al. 2023, arXiv:2309.14509).
+
+    Forward: split ``x`` along ``scatter_dim`` into ``cp`` chunks, send chunk ``r`` to CP rank ``r`` and
+    concatenate the received chunks along ``gather_dim`` in CP-rank order, e.g. ``[B, H, S/cp, D]`` with
+    ``scatter_dim=1, gather_dim=2`` -> ``[B, H/cp, S, D]``. Backward: the adjoint all-to-all (dims swapped).
+    Identity when the CP size is 1.
+
+    Raises:
+        ValueError: if ``x.shape[scatter_dim]`` is not divisible by the CP size.
+    """
+    return _AllToAllCP.apply(x, scatter_dim, gather_dim)
+

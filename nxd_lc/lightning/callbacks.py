@@ -90,18 +90,22 @@ class MetricsPrinter(pl.Callback):
     """Writes one line of metrics every ``log_every_n_steps`` optimizer steps to the ``nxd_lc.metrics`` logger
     (console and the run's text log), from global rank 0, plus ``val_loss`` after each validation.
 
-    The values are the ones the LightningModule logged (``reduced_train_loss`` is the DP-mean of the step's
-    micro-batch losses).
+    ``loss`` is the mean of ``reduced_train_loss`` (the DP-mean of a step's micro-batch losses) over the steps
+    since the previous line, as Megatron's training log averages over its log interval; TensorBoard keeps the
+    per-step values. The other figures are those of the step printed.
     """
 
-    KEYS = (("reduced_train_loss", "loss", "{:.4f}"), ("lr", "lr", "{:.3e}"), ("gradient_norm", "grad_norm",
-            "{:.3f}"), ("parameter_norm", "param_norm", "{:.2f}"), ("throughput/tokens_per_sec", "tokens/s",
-            "{:.0f}"), ("throughput/seqs_per_sec", "seqs/s", "{:.3f}"), ("consumed_samples", "consumed", "{:.0f}"))
+    KEYS = (("lr", "lr", "{:.3e}"), ("gradient_norm", "grad_norm", "{:.3f}"), ("parameter_norm", "param_norm",
+            "{:.2f}"), ("throughput/tokens_per_sec", "tokens/s", "{:.0f}"), ("throughput/seqs_per_sec", "seqs/s",
+            "{:.3f}"), ("consumed_samples", "consumed", "{:.0f}"))
 
     def __init__(self, log_every_n_steps: int, max_steps: int) -> None:
         self.log_every_n_steps = log_every_n_steps
         self.max_steps = max_steps
         self._last_step: Optional[int] = None
+        self._loss_sum = 0.0
+        self._loss_steps = 0
+        self.printed_losses: list[tuple[int, float]] = []  # (step, mean loss) of every printed line
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
@@ -112,13 +116,21 @@ class MetricsPrinter(pl.Callback):
         self._last_step = step
         if first:  # the restored/initial step: nothing trained yet in this run
             return
+        metrics = trainer.callback_metrics
+        if "reduced_train_loss" in metrics:
+            self._loss_sum += float(metrics["reduced_train_loss"])
+            self._loss_steps += 1
         if step % self.log_every_n_steps != 0 and step != self.max_steps:
             return
-        metrics = trainer.callback_metrics
         parts = [f"step {step}/{self.max_steps}"]
+        if self._loss_steps:
+            mean = self._loss_sum / self._loss_steps
+            self.printed_losses.append((step, mean))
+            parts.append(f"loss {mean:.4f}")
         for key, label, fmt in self.KEYS:
             if key in metrics:
                 parts.append(f"{label} {fmt.format(float(metrics[key]))}")
+        self._loss_sum, self._loss_steps = 0.0, 0
         log.info(" | ".join(parts))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

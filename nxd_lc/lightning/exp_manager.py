@@ -85,30 +85,44 @@ def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
     collectives.barrier()
 
 
-def resume_checkpoint_path(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
-    """The checkpoint directory to resume from, or None to start fresh.
+def _explicit_checkpoint(cfg: NxdConfig) -> Optional[str]:
+    em = cfg.exp_manager
+    if not em.resume_from_checkpoint:
+        return None
+    path = resolve_path(em.resume_from_checkpoint)
+    if not sharded.is_complete(path):
+        raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint (no "
+                           f"'done' marker); pick another tag under {os.path.dirname(path)}"])
+    return path
 
-    ``resume_from_checkpoint`` wins; otherwise with ``resume_if_exists`` the newest *complete* checkpoint (one
-    with a ``done`` marker) under ``<log_dir>/checkpoints``. Staging directories of interrupted saves are never
-    picked.
+
+def _own_latest(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
+    if not cfg.exp_manager.resume_if_exists or not os.path.isdir(paths.checkpoint_dir):
+        return None
+    tag = sharded.latest_checkpoint(paths.checkpoint_dir)
+    return os.path.join(paths.checkpoint_dir, tag) if tag else None
+
+
+def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optional[str]]:
+    """What to restore: ``(trainer checkpoint, weights-only checkpoint)``, at most one of them set.
+
+    * ``resume_from_checkpoint`` restores everything (weights, optimizer, step, consumed samples) — unless
+      ``model.weight_init_only``, where it only initialises the weights (NxDT semantics), and a run that already
+      has its own checkpoints resumes from those instead (so a restarted continuation does not start over).
+    * otherwise, with ``resume_if_exists``, the newest *complete* checkpoint (``done`` marker) under
+      ``<log_dir>/checkpoints``; staging directories of interrupted saves are never picked.
 
     Raises:
         ConfigError: an explicit checkpoint is incomplete, or none exists and ``resume_ignore_no_checkpoint`` is
             false.
     """
     em = cfg.exp_manager
-    if em.resume_from_checkpoint:
-        path = resolve_path(em.resume_from_checkpoint)
-        if not sharded.is_complete(path):
-            raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint (no "
-                               f"'done' marker); pick another tag under {os.path.dirname(path)}"])
-        return path
-    if not em.resume_if_exists:
-        return None
-    tag = sharded.latest_checkpoint(paths.checkpoint_dir) if os.path.isdir(paths.checkpoint_dir) else None
-    if tag is None:
-        if not em.resume_ignore_no_checkpoint:
-            raise ConfigError([f"exp_manager.resume_if_exists: no complete checkpoint under "
-                               f"{paths.checkpoint_dir}; set resume_ignore_no_checkpoint: true to start fresh"])
-        return None
-    return os.path.join(paths.checkpoint_dir, tag)
+    explicit, own = _explicit_checkpoint(cfg), _own_latest(cfg, paths)
+    if cfg.model.weight_init_only:
+        return (own, None) if own else (None, explicit)
+    if explicit or own:
+        return explicit or own, None
+    if em.resume_if_exists and not em.resume_ignore_no_checkpoint:
+        raise ConfigError([f"exp_manager.resume_if_exists: no complete checkpoint under {paths.checkpoint_dir};"
+                           f" set resume_ignore_no_checkpoint: true to start fresh"])
+    return None, None

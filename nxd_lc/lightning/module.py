@@ -7,6 +7,11 @@ Per micro-batch the loss is the mean over its labelled tokens; Lightning divides
 accumulation steps, and gradients are averaged over the data-parallel group in :meth:`on_before_optimizer_step`
 (NxD semantics: mean over micro-batches and DP ranks). Before that hook, sequence-parallel norm gradients are
 all-reduced over TP and replicated KV-head gradients over the KV-shared group.
+
+Context parallelism (``context_parallel_size > 1``): each micro-batch is sharded over the CP group once, at the
+step boundary (:meth:`_context_parallel_shard`, ring head-tail or Ulysses contiguous layout), and each CP rank's
+loss is ``local token-loss sum x cp / all CP ranks' token count``, so the DP x CP gradient average is the
+gradient of the micro-batch's token mean (:func:`nxd_lc.context.context_parallel_loss`).
 """
 
 from __future__ import annotations
@@ -17,9 +22,9 @@ import pytorch_lightning as pl
 import torch
 
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.context.sharding import context_parallel_loss, shard_batch_for_context_parallel
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
-from nxd_lc.models.llama.model import causal_lm_loss
 from nxd_lc.optim import build_optimizer, build_scheduler
 
 
@@ -52,22 +57,42 @@ class NxDLanguageModel(pl.LightningModule):
         return self.model(input_ids, position_ids)
 
     def _loss(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-token losses fp32 scalar, number of labelled tokens) of one micro-batch."""
-        logits = self.model(batch["input_ids"], batch.get("position_ids"))
-        return causal_lm_loss(logits, batch["labels"])
+        """(sum of per-token losses fp32 scalar, number of labelled tokens) of one micro-batch.
+
+        Through ``model.loss`` (:meth:`nxd_lc.models.llama.LlamaForCausalLM.loss`), so the tiled cross-entropy
+        (``model.tiled_loss_chunk_size``) never materialises the ``[B, S, V/tp]`` logits.
+        """
+        return self.model.loss(batch["input_ids"], batch["labels"], batch.get("position_ids"),
+                               segment_ids=batch.get("segment_ids"))
+
+    def _context_parallel_shard(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """This CP rank's share of the micro-batch (the one place a batch is split over CP; identity at CP 1).
+
+        Missing ``position_ids`` are filled with ``0..S-1`` first, so RoPE positions follow the shard.
+        """
+        cp = ps.get_context_parallel_world_size()
+        if cp == 1:
+            return batch
+        if batch.get("position_ids") is None:
+            ids = batch["input_ids"]
+            positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
+            batch = {**batch, "position_ids": positions}
+        algo = self.cfg.distributed_strategy.context_parallel_algo
+        return shard_batch_for_context_parallel(batch, ps.get_context_parallel_rank(), cp, algo)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        """Mean token loss of the micro-batch (fp32 scalar)."""
-        loss_sum, num_tokens = self._loss(batch)
-        loss = loss_sum / torch.clamp(torch.as_tensor(num_tokens, dtype=loss_sum.dtype), min=1.0)
+        """Token-mean loss of the micro-batch (fp32 scalar); under CP, this rank's share of the mean over all
+        CP ranks' tokens, scaled by CP (see :func:`nxd_lc.context.context_parallel_loss`)."""
+        loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
+        loss = context_parallel_loss(loss_sum, num_tokens)
         detached = loss.detach()
         self._loss_acc = detached if self._loss_acc is None else self._loss_acc + detached
         self._loss_count += 1
         return loss
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        """Accumulate token-weighted validation loss; reduced over DP in :meth:`on_validation_epoch_end`."""
-        loss_sum, num_tokens = self._loss(batch)
+        """Accumulate token-weighted validation loss; reduced over DP x CP in :meth:`on_validation_epoch_end`."""
+        loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
         pair = torch.stack([loss_sum.detach().float(), torch.as_tensor(num_tokens, dtype=torch.float32)])
         self._val_loss_sum = pair if self._val_loss_sum is None else self._val_loss_sum + pair
 

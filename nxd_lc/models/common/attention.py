@@ -1,17 +1,32 @@
-"""Core (score/softmax/value) attention with a single dispatch point.
+"""Core (score/softmax/value) attention with a single dispatch point, :func:`core_attention`.
 
 Shapes (batch-first heads-major, as in HF transformers and torch SDPA):
-    q       [B, Hq, S, D]
-    k, v    [B, Hkv, S, D]    Hq % Hkv == 0 (grouped-query attention, Ainslie et al. 2023, arXiv:2305.13245)
-    output  [B, Hq, S, D]     same dtype as q
+    q            [B, Hq, S, D]
+    k, v         [B, Hkv, S, D]   Hq % Hkv == 0 (grouped-query attention, Ainslie et al. 2023, arXiv:2305.13245)
+    segment_ids  [B, S] integer   index of the packed document each token belongs to, non-decreasing along S
+    output       [B, Hq, S, D]    same dtype as q
 
 Query head ``h`` attends with KV head ``h // (Hq / Hkv)`` (HF ``repeat_kv`` order); the KV heads are
 expanded locally, i.e. on the heads this rank holds, so no communication is involved.
 
-``flash_attention=True`` calls :func:`torch.nn.functional.scaled_dot_product_attention` with
-``is_causal=True`` (no S x S mask is built; torch picks a flash / memory-efficient kernel where one
-exists). ``flash_attention=False`` is the explicit reference: ``softmax(Q K^T * scale + mask) V``
-(Vaswani et al. 2017) with the softmax in float32, as HF's ``eager_attention_forward``.
+Dispatch (all in :func:`core_attention`, in this order):
+
+1. Context parallel (``parallel_state.get_context_parallel_world_size() > 1``): the sequence is sharded over
+   the CP group; :func:`nxd_lc.context.attention.context_parallel_attention` (ring / Ulysses) receives the
+   un-expanded ``k``/``v`` (``Hkv`` heads) and the local ``segment_ids`` shard.
+2. ``flash_attention=True``: :func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``
+   and no ``attn_mask``, so torch takes its flash kernel on CPU and CUDA and no ``S x S`` tensor exists.
+   Document masking (packed documents attend only within themselves, as ProLong, Gao et al. 2024,
+   arXiv:2410.02660) runs SDPA once per document: q/k/v are split along S at the boundaries read from
+   ``segment_ids``. Reading the boundaries is one device -> host copy of ``segment_ids`` per call (fine on
+   CPU/CUDA; the XLA path must instead use a kernel that takes the segment ids, e.g. NKI flash attention).
+   Memory stays O(S) per document; FLOPs drop to ``sum(len_doc^2)``.
+3. ``flash_attention=False``: the explicit reference ``softmax(Q K^T * scale + mask) V`` (Vaswani et al.
+   2017) with the softmax in float32, as HF's ``eager_attention_forward``; it materialises the
+   ``[B, Hq, S, S]`` scores and the ``[B, 1, S, S]`` causal/document mask.
+
+Both local paths give the same result as running each document alone (no cross-document leakage; every
+query sees at least itself, so no row of the softmax is empty).
 """
 
 from __future__ import annotations
@@ -22,7 +37,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CoreAttention", "core_attention", "repeat_kv"]
+from nxd_lc.distributed import parallel_state
+
+__all__ = ["CoreAttention", "core_attention", "document_lengths", "repeat_kv"]
 
 
 def repeat_kv(x: torch.Tensor, num_rep: int) -> torch.Tensor:
@@ -33,8 +50,8 @@ def repeat_kv(x: torch.Tensor, num_rep: int) -> torch.Tensor:
     return x[:, :, None].expand(b, h, num_rep, s, d).reshape(b, h * num_rep, s, d)
 
 
-def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
-    """Validate q/k/v shapes; return the GQA group size Hq // Hkv."""
+def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None) -> int:
+    """Validate q/k/v (and segment_ids) shapes; return the GQA group size Hq // Hkv."""
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
         raise ValueError(
             f"core_attention expects q [B,Hq,S,D], k and v [B,Hkv,S,D]; got q {tuple(q.shape)}, "
@@ -44,16 +61,74 @@ def _check_shapes(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> int:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} disagree on batch, sequence or head_dim")
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"query heads ({q.shape[1]}) must be a multiple of KV heads ({k.shape[1]})")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (q.shape[0], q.shape[2]):
+            raise ValueError(f"segment_ids must be [B, S] = {(q.shape[0], q.shape[2])} like the queries, got "
+                             f"{tuple(segment_ids.shape)}")
+        if segment_ids.is_floating_point() or segment_ids.dtype == torch.bool:
+            raise ValueError(f"segment_ids must be an integer tensor, got {segment_ids.dtype}")
     return q.shape[1] // k.shape[1]
 
 
-def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
-    """Reference path: materialises the [B, Hq, S, S] scores; fp32 softmax, causal mask of -inf."""
+def document_lengths(segment_ids: torch.Tensor) -> list[list[int]]:
+    """Lengths of the runs of equal ids in each row of ``segment_ids [B, S]`` (host lists; sum of a row = S).
+
+    One device -> host copy of ``segment_ids`` (a synchronisation on CUDA).
+
+    Raises:
+        ValueError: ``segment_ids`` is not 2-D, or decreases along S in some row (documents are contiguous,
+            numbered in order; see the batch contract in ``nxd_lc.data.packing``).
+    """
+    if segment_ids.dim() != 2:
+        raise ValueError(f"segment_ids must be [B, S], got shape {tuple(segment_ids.shape)}")
+    seg = segment_ids.detach().to("cpu", torch.int64)
+    if seg.shape[1] > 1:
+        bad = (seg[:, 1:] < seg[:, :-1]).nonzero()
+        if bad.numel():
+            row, col = bad[0].tolist()
+            raise ValueError(f"segment_ids must be non-decreasing along the sequence; row {row} goes from "
+                             f"{int(seg[row, col])} to {int(seg[row, col + 1])} at position {col + 1}")
+    return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in seg]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """Fused SDPA without a mask tensor (flash / memory-efficient kernel); k, v already expanded to Hq heads."""
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+
+
+def _sdpa_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
+                causal: bool) -> torch.Tensor:
+    """SDPA on each S-segment of ``lengths`` separately (views, no copies), concatenated back along S."""
+    if len(lengths) == 1:
+        return _sdpa(q, k, v, scale, causal)
+    parts = zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
+    return torch.cat([_sdpa(qi, ki, vi, scale, causal) for qi, ki, vi in parts], dim=2)
+
+
+def _flash_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
+                     scale: float, causal: bool) -> torch.Tensor:
+    """Document-masked attention as one SDPA call per document (per batch row unless all rows agree)."""
+    rows = document_lengths(segment_ids)
+    if all(r == rows[0] for r in rows):
+        return _sdpa_split(q, k, v, rows[0], scale, causal)
+    outs = [_sdpa_split(q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths, scale, causal)
+            for b, lengths in enumerate(rows)]
+    return torch.cat(outs, dim=0)
+
+
+def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+                     segment_ids: torch.Tensor | None) -> torch.Tensor:
+    """Reference path: materialises the [B, Hq, S, S] scores and a [B|1, 1, S, S] boolean mask; fp32 softmax."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
+    s = q.shape[2]
+    allowed: torch.Tensor | None = None
     if causal:
-        s = q.shape[2]
-        mask = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(mask, float("-inf"))
+        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
+    if segment_ids is not None:
+        same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, S, S]
+        allowed = same_doc if allowed is None else allowed & same_doc
+    if allowed is not None:
+        scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
     return torch.matmul(probs, v)
 
@@ -66,30 +141,43 @@ def core_attention(
     flash_attention: bool = True,
     causal: bool = True,
     scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention over q [B,Hq,S,D], k/v [B,Hkv,S,D] -> [B,Hq,S,D].
+    """Attention over q [B,Hq,S,D], k/v [B,Hkv,S,D] -> [B,Hq,S,D]; the one dispatch point (module doc).
 
     Args:
         flash_attention: True -> torch SDPA (fused kernel, no mask tensor); False -> eager reference.
         causal: apply the causal (lower-triangular) mask; position t attends to positions <= t.
         scale: score scale, default ``1 / sqrt(D)``.
+        segment_ids: [B, S] integer document index of each token (non-decreasing along S); tokens attend only
+            to tokens of the same document. None (or one document per row) -> plain attention over the row.
 
     Raises:
-        ValueError: on inconsistent shapes or Hq not a multiple of Hkv.
+        ValueError: inconsistent shapes, Hq not a multiple of Hkv, non-integer or decreasing segment_ids,
+            or ``causal=False`` under context parallelism.
     """
-    num_rep = _check_shapes(q, k, v)
+    num_rep = _check_shapes(q, k, v, segment_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if parallel_state.get_context_parallel_world_size() > 1:
+        if not causal:
+            raise ValueError("context parallel attention is causal only; got causal=False with "
+                             "distributed_strategy.context_parallel_size > 1")
+        from nxd_lc.context.attention import context_parallel_attention
+
+        return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale)
     k, v = repeat_kv(k, num_rep), repeat_kv(v, num_rep)
-    if flash_attention:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
-    return _eager_attention(q, k, v, scale, causal)
+    if not flash_attention:
+        return _eager_attention(q, k, v, scale, causal, segment_ids)
+    if segment_ids is None:
+        return _sdpa(q, k, v, scale, causal)
+    return _flash_documents(q, k, v, segment_ids, scale, causal)
 
 
 class CoreAttention(nn.Module):
     """Module wrapper of :func:`core_attention` (no parameters).
 
     Named after NxDT's ``activations_checkpoint_recompute: [CoreAttention]`` so selective activation
-    checkpointing can target it by class name. ``forward(q, k, v) -> [B, Hq, S, D]``.
+    checkpointing can target it by class name. ``forward(q, k, v, segment_ids=None) -> [B, Hq, S, D]``.
     """
 
     def __init__(self, flash_attention: bool = True, causal: bool = True, scale: float | None = None) -> None:
@@ -98,11 +186,12 @@ class CoreAttention(nn.Module):
         self.causal = causal
         self.scale = scale
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """See :func:`core_attention`."""
-        return core_attention(
-            q, k, v, flash_attention=self.flash_attention, causal=self.causal, scale=self.scale
-        )
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """See :func:`core_attention`; ``segment_ids`` [B, S] restricts attention to each packed document."""
+        return core_attention(q, k, v, flash_attention=self.flash_attention, causal=self.causal,
+                              scale=self.scale, segment_ids=segment_ids)
 
     def extra_repr(self) -> str:
+        """Printed in ``repr(model)``."""
         return f"flash_attention={self.flash_attention}, causal={self.causal}"

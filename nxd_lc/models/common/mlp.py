@@ -8,6 +8,13 @@ Shapes: x [B, S, H] (or [B, S/tp, H] under sequence parallelism) -> same. I = in
 ``[gate rows r*I/tp:(r+1)*I/tp ; up rows r*I/tp:(r+1)*I/tp]``, so each rank splits its own output
 in half and needs no communication. ``down_proj`` is a
 :class:`~nxd_lc.layers.RowParallelLinear` ``[H, I/tp]``.
+
+Tiled MLP (``tiled_chunk_size``, config ``model.tiled_mlp_chunk_size``; DeepSpeed ALST ``TiledMLP``,
+arXiv:2506.13996): the input enters the TP region once (all-gather on S under sequence parallelism, identity
+otherwise), the purely local ``down(silu(gate) * up)`` runs ``c`` tokens at a time through
+:func:`~nxd_lc.layers.tiled.tiled_apply` (recomputed per chunk in backward, so the ``[B*S, 2I/tp]`` activations
+are never all alive), and the partial sums leave the TP region once (reduce-scatter under SP, all-reduce
+otherwise), exactly the collectives of the untiled layers. Gradients equal the untiled path.
 """
 
 from __future__ import annotations
@@ -16,8 +23,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxd_lc.distributed.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
 from nxd_lc.layers import ColumnParallelLinear, RowParallelLinear
 from nxd_lc.layers.linear import InitMethod
+from nxd_lc.layers.tiled import check_chunk_size, tiled_apply
 
 __all__ = ["LlamaMLP"]
 
@@ -32,9 +46,11 @@ class LlamaMLP(nn.Module):
         sequence_parallel_enabled: input and output are split on the sequence dim over TP.
         init_method: in-place init of a full weight (e.g. ``normal_(0, initializer_range)``).
         use_cpu_initialization, dtype, device: passed to the parallel layers.
+        tiled_chunk_size: tokens per chunk of the tiled MLP (see the module docstring), None = untiled. An
+            attribute, so it can be set after construction (``apply_memory_techniques`` does).
 
     Raises:
-        ValueError: (from the layers) if I is not divisible by the TP size.
+        ValueError: (from the layers) if I is not divisible by the TP size; a non-positive tiled_chunk_size.
     """
 
     def __init__(
@@ -47,9 +63,13 @@ class LlamaMLP(nn.Module):
         use_cpu_initialization: bool = True,
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
+        tiled_chunk_size: int | None = None,
     ) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        if tiled_chunk_size is not None:
+            check_chunk_size(tiled_chunk_size, "model.tiled_mlp_chunk_size")
+        self.tiled_chunk_size = tiled_chunk_size
         common = {"init_method": init_method, "dtype": dtype, "device": device,
                       "use_cpu_initialization": use_cpu_initialization}
         self.gate_up_proj = ColumnParallelLinear(
@@ -62,6 +82,28 @@ class LlamaMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [B, S(/tp), H] -> [B, S(/tp), H]."""
+        """x [B, S(/tp), H] -> [B, S(/tp), H]; tiled over tokens when ``tiled_chunk_size`` is set."""
+        if self.tiled_chunk_size is not None:
+            return self._tiled_forward(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [B, S, I/tp]
         return self.down_proj(F.silu(gate) * up)
+
+    def _local_mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """Rank-local part, no communication: x [N, H] (in the TP region) -> partial sums [N, H]."""
+        gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)  # [N, I/tp]
+        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+
+    def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Same as the untiled forward (same collectives), with the local part tiled over tokens."""
+        col, row = self.gate_up_proj, self.down_proj
+        if col.sequence_parallel_enabled:
+            x = gather_from_sequence_parallel_region(x, to_model_parallel=True)  # [B, S, H]
+        else:
+            x = copy_to_tensor_model_parallel_region(x)
+        params = [p for p in (col.weight, col.bias, row.weight) if p is not None]
+        y = tiled_apply(self._local_mlp, x, self.tiled_chunk_size, params)  # [B, S, H] partial over TP
+        if row.sequence_parallel_enabled:
+            y = reduce_scatter_to_sequence_parallel_region(y)  # [B, S/tp, H]
+        else:
+            y = reduce_from_tensor_model_parallel_region(y)
+        return y + row.bias if row.bias is not None else y

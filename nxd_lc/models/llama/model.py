@@ -24,8 +24,10 @@ mlp.{gate_up_proj, down_proj}}``, ``norm``, ``lm_head``.
 
 from __future__ import annotations
 
+import difflib
 import functools
 import json
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +36,7 @@ from torch import nn
 from transformers import LlamaConfig
 
 from nxd_lc.distributed import parallel_state
+from nxd_lc.distributed.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
 from nxd_lc.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
@@ -42,10 +45,17 @@ from nxd_lc.layers import (
     parallel_cross_entropy,
 )
 from nxd_lc.layers.linear import InitMethod
+from nxd_lc.layers.tiled import tiled_causal_lm_loss, vocab_parallel_logits
 from nxd_lc.models.common.attention import CoreAttention
 from nxd_lc.models.common.mlp import LlamaMLP
 from nxd_lc.models.common.norm import RMSNorm
-from nxd_lc.models.common.rope import RotaryEmbedding, apply_rotary_pos_emb, rope_spec_from_config
+from nxd_lc.models.common.rope import (
+    RotaryEmbedding,
+    apply_rotary_pos_emb,
+    raise_on_problems,
+    rope_scaling_problems,
+    rope_spec_from_config,
+)
 
 __all__ = [
     "LlamaAttention",
@@ -53,6 +63,7 @@ __all__ = [
     "LlamaForCausalLM",
     "build_llama_config",
     "causal_lm_loss",
+    "causal_lm_loss_from_hidden",
     "pad_vocab_size",
 ]
 
@@ -110,24 +121,138 @@ def _apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> None:
         raw[_OVERRIDES[key]] = value
 
 
-def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None = None) -> LlamaConfig:
-    """Read an HF Llama ``config.json`` and apply NxDT's ``model:`` overrides.
+_HF_ROPE_KEY = "model.hf_config_overrides.rope_scaling"
+
+
+def _plain(value: Any) -> Any:
+    """Nested Mapping / list-like (also OmegaConf DictConfig / ListConfig) -> plain dict / list."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, (str, bytes)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _pop_rope(raw: dict[str, Any]) -> dict[str, Any]:
+    """Remove ``rope_scaling`` / ``rope_parameters`` / ``rope_theta`` from a config.json dict; return them as
+    one dict with ``rope_type`` and ``rope_theta`` (transformers' priority: the nested dict's rope_theta,
+    then the top-level one, then 10000; ``rope_scaling`` wins over ``rope_parameters``; legacy ``type``)."""
+    scaling, params = raw.pop("rope_scaling", None), raw.pop("rope_parameters", None)
+    theta = raw.pop("rope_theta", None)
+    rope = dict(scaling or params or {})
+    if "type" in rope:
+        rope.setdefault("rope_type", rope.pop("type"))
+        rope.pop("type", None)
+    rope.setdefault("rope_type", "default")
+    rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
+    return rope
+
+
+def _merge_rope(base: dict[str, Any], override: Mapping[str, Any] | None) -> dict[str, Any]:
+    """``override`` merged key-wise over ``base``. A null override means unscaled RoPE. When the override
+    names a different rope_type, the base's scaling fields are dropped (only rope_theta is kept): fields of
+    another type would otherwise be carried along unused."""
+    if override is None:
+        return {"rope_type": "default", "rope_theta": base["rope_theta"]}
+    override = dict(override)
+    if "type" in override:
+        override.setdefault("rope_type", override.pop("type"))
+        override.pop("type", None)
+    if override.get("rope_type", base["rope_type"]) != base["rope_type"]:
+        base = {"rope_theta": base["rope_theta"]}
+    return {**base, **override}
+
+
+def _store_rope(raw: dict[str, Any], rope: dict[str, Any]) -> None:
+    """Write the merged rope dict back as ``rope_theta`` + ``rope_scaling`` (read by transformers 4.x and 5.x)."""
+    scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+    raw["rope_theta"] = rope["rope_theta"]
+    raw["rope_scaling"] = None if scaling == {"rope_type": "default"} else scaling
+
+
+def _check_no_conflict(overrides: dict[str, Any], name: str, hf_key: str, hf_value: Any) -> None:
+    """Raise ValueError when NxDT's ``model.<name>`` and an hf_config_overrides value set one field differently."""
+    value = overrides.get(name)
+    if value not in (None, -1) and value != hf_value:
+        raise ValueError(f"model.{name} ({value!r}) and {hf_key} ({hf_value!r}) set the same config field "
+                         f"differently; set only one of them")
+
+
+def _apply_hf_config_overrides(raw: dict[str, Any], hf_overrides: Mapping[str, Any] | None,
+                               overrides: dict[str, Any]) -> bool:
+    """Merge ``model.hf_config_overrides`` over the config.json dict (in place); True when it has rope_scaling.
+
+    Top-level keys replace config.json's; ``rope_scaling`` (or ``rope_parameters``) merges key-wise over
+    the config's (see :func:`_merge_rope`) after a strict :func:`rope_scaling_problems` check of the
+    override itself; ``rope_theta`` (top level or inside rope_scaling) sets the config's rope_theta.
+    """
+    hf = _plain(hf_overrides or {})
+    if not isinstance(hf, dict):
+        raise ValueError(f"model.hf_config_overrides must be a mapping of config.json keys, got {type(hf).__name__}")
+    known = set(LlamaConfig().to_dict()) | {"rope_scaling", "rope_parameters", "rope_theta"}
+    for key in hf:
+        if key not in known:
+            close = difflib.get_close_matches(key, sorted(known), n=1)
+            hint = f"did you mean {close[0]!r}?" if close else "see the LlamaConfig fields"
+            raise ValueError(f"model.hf_config_overrides.{key}: not a Llama config.json key; {hint}")
+    if "rope_scaling" in hf and "rope_parameters" in hf:
+        raise ValueError("model.hf_config_overrides: set rope_scaling or rope_parameters, not both")
+    rope = _pop_rope(raw)
+    has_rope = "rope_scaling" in hf or "rope_parameters" in hf
+    rope_override = hf.pop("rope_scaling", hf.pop("rope_parameters", None))
+    if rope_override is not None:
+        raise_on_problems(rope_scaling_problems(rope_override, _HF_ROPE_KEY), _HF_ROPE_KEY)
+    if "rope_theta" in hf and isinstance(rope_override, Mapping) and \
+            rope_override.get("rope_theta", hf["rope_theta"]) != hf["rope_theta"]:
+        raise ValueError(f"model.hf_config_overrides.rope_theta ({hf['rope_theta']!r}) and {_HF_ROPE_KEY}.rope_theta "
+                         f"({rope_override['rope_theta']!r}) disagree; set only one of them")
+    if "rope_theta" in hf:
+        rope["rope_theta"] = hf.pop("rope_theta")
+        _check_no_conflict(overrides, "rope_theta", "model.hf_config_overrides.rope_theta", rope["rope_theta"])
+    if has_rope:
+        rope = _merge_rope(rope, rope_override)
+        if rope_override and "rope_theta" in rope_override:
+            _check_no_conflict(overrides, "rope_theta", f"{_HF_ROPE_KEY}.rope_theta", rope["rope_theta"])
+    for key, value in hf.items():
+        nxd = next((k for k, field in _OVERRIDES.items() if field == key), None)
+        if nxd is not None:
+            _check_no_conflict(overrides, nxd, f"model.hf_config_overrides.{key}", value)
+        raw[key] = value
+    _store_rope(raw, rope)
+    return has_rope
+
+
+def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None = None,
+                       hf_config_overrides: Mapping[str, Any] | None = None) -> LlamaConfig:
+    """Read an HF Llama ``config.json``, apply NxDT's ``model:`` overrides and ``model.hf_config_overrides``.
 
     Args:
         model_config_path: a config.json file or a directory containing one (NxDT ``model.model_config``).
         overrides: NxDT keys ``num_layers`` (-> num_hidden_layers), ``hidden_size``,
             ``max_position_embeddings``, ``rope_theta`` and ``encoder_seq_length`` (checked to be
             <= max_position_embeddings). ``None`` or -1 leaves the config.json value.
+        hf_config_overrides: config.json keys merged over the file (NeMo RL's ``hf_config_overrides``);
+            ``rope_scaling`` merges key-wise over the file's rope_scaling / rope_parameters (a different
+            rope_type replaces the file's scaling fields; null means unscaled RoPE) and its ``rope_theta``
+            sets the config's rope_theta. With rope_type yarn every field of
+            :data:`~nxd_lc.models.common.rope.YARN_REQUIRED_FIELDS` is required in the override.
 
     Raises:
         FileNotFoundError: the file does not exist.
         ValueError: invalid JSON, not a Llama config, a bad override value or unknown override key,
-            encoder_seq_length > max_position_embeddings, hidden_act other than silu, or an
-            unsupported rope_scaling type.
+            an hf_config_overrides key that is not a Llama config key or that contradicts an NxDT
+            override, an invalid rope_scaling (every problem listed), encoder_seq_length >
+            max_position_embeddings, or hidden_act other than silu.
     """
     overrides = dict(overrides or {})
     raw = _read_config_json(Path(model_config_path))
     _apply_overrides(raw, overrides)
+    merged = _apply_hf_config_overrides(raw, hf_config_overrides, overrides)
+    key = f"{_HF_ROPE_KEY} (merged over {model_config_path})" if merged else f"rope_scaling of {model_config_path}"
+    if raw["rope_scaling"]:
+        head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
+        raise_on_problems(rope_scaling_problems({**raw["rope_scaling"], "rope_theta": raw["rope_theta"]}, key,
+                                                head_dim=head_dim, strict=False), key)
     try:
         config = LlamaConfig.from_dict(raw)
     except Exception as e:  # noqa: BLE001 - transformers raises strict-validation errors, KeyError, ...
@@ -140,7 +265,7 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
         )
     if config.hidden_act != "silu":
         raise ValueError(f"model.model_config: hidden_act={config.hidden_act!r} is not supported (Llama uses 'silu')")
-    rope_spec_from_config(config)  # fail now on an unsupported rope_scaling
+    rope_spec_from_config(config, key)  # fail now on an unsupported rope_scaling
     return config
 
 
@@ -192,8 +317,9 @@ class LlamaAttention(nn.Module):
                                         sequence_parallel_enabled=sp, **kw)
         self.core_attention = CoreAttention(flash_attention=flash_attention)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S(/tp), H], cos/sin [B, S, D] fp32 -> [B, S(/tp), H]."""
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S(/tp), H], cos/sin [B, S, D] fp32, segment_ids [B, S] or None -> [B, S(/tp), H]."""
         if self.qkv_linear:
             q, k, v = self.qkv_proj(x)
         else:
@@ -201,7 +327,7 @@ class LlamaAttention(nn.Module):
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = self.core_attention(q, k, v)  # [B, heads_local, S, D]
+        out = self.core_attention(q, k, v, segment_ids)  # [B, heads_local, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -220,9 +346,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(h, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)),
                             sequence_parallel_enabled=sp, init_method=init_method, **layer_kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [B, S(/tp), H] -> [B, S(/tp), H]."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [B, S(/tp), H], segment_ids [B, S] or None (see :class:`LlamaForCausalLM`) -> [B, S(/tp), H]."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -282,6 +409,8 @@ class LlamaForCausalLM(nn.Module):
         first = parallel_state.get_tensor_model_parallel_rank() * vocab_local
         self.num_valid_vocab_local = max(0, min(vocab_local, config.vocab_size - first))
         self._zero_padded_embedding_rows()
+        # tokens per chunk of the tiled CE in loss(); None: untiled (set by apply_memory_techniques)
+        self.tiled_loss_chunk_size: int | None = None
 
     @torch.no_grad()
     def _zero_padded_embedding_rows(self) -> None:
@@ -305,26 +434,82 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids' {(b, s)}")
         return position_ids
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, S], position_ids [B, S] or None (0..S-1) -> logits_local [B, S, Vp/tp].
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S], position_ids [B, S] or None (0..S-1) -> lm-head input [B, S, H].
 
-        Padded vocab columns hold the dtype's lowest finite value (see the module docstring).
+        The final norm's output, entered into the TP region exactly as the lm head's column layer does:
+        all-gathered to the full S under sequence parallelism (backward: reduce-scatter), identity otherwise
+        (backward: all-reduce over TP). Whatever consumes it must therefore be a TP-sharded computation such
+        as :meth:`logits_from_hidden` or :func:`causal_lm_loss_from_hidden` (each rank's gradient is partial).
+
+        ``segment_ids`` [B, S] integer (packed-document index of each token, non-decreasing along S) restricts
+        attention to each document (see :func:`nxd_lc.models.common.attention.core_attention`); None or all
+        zeros attends causally over the whole row.
+
+        Raises:
+            ValueError: bad input shapes (names the tensor), or decreasing / non-integer segment_ids.
         """
         position_ids = self._check_inputs(input_ids, position_ids)
+        if segment_ids is not None and segment_ids.shape != input_ids.shape:
+            raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal input_ids' "
+                             f"{tuple(input_ids.shape)}")
         cos, sin = self.rotary_emb(position_ids)  # [B, S, D] fp32
         h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
         for layer in self.layers:
-            h = layer(h, cos, sin)
-        logits = self.lm_head(self.norm(h))  # SP: lm_head all-gathers S -> [B, S, Vp/tp]
-        if self.num_valid_vocab_local < logits.shape[-1]:
-            pad = torch.arange(logits.shape[-1], device=logits.device) >= self.num_valid_vocab_local
-            logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
-        return logits
+            h = layer(h, cos, sin, segment_ids)
+        h = self.norm(h)  # [B, S(/tp), H]
+        if self.lm_head.sequence_parallel_enabled:
+            return gather_from_sequence_parallel_region(h, to_model_parallel=True)  # [B, S, H]
+        return copy_to_tensor_model_parallel_region(h)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """lm-head input [B, S, H] (from :meth:`hidden_states`) -> logits_local [B, S, Vp/tp].
+
+        Padded vocab columns hold the dtype's lowest finite value (see the module docstring).
+        """
+        return vocab_parallel_logits(hidden, self.lm_head.weight, self.num_valid_vocab_local)
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids [B, S] (+ position_ids, segment_ids as :meth:`hidden_states`) -> logits_local [B, S, Vp/tp].
+
+        ``logits_from_hidden(hidden_states(...))``: the lm head of the model's ``lm_head`` weight.
+        """
+        return self.logits_from_hidden(self.hidden_states(input_ids, position_ids, segment_ids))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-             ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-        """``causal_lm_loss(self(input_ids, position_ids), labels, ignore_index)``; see there."""
-        return causal_lm_loss(self(input_ids, position_ids), labels, ignore_index)
+             ignore_index: int = -100, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(loss_sum, num_tokens)`` of the micro-batch; see :func:`causal_lm_loss_from_hidden`.
+
+        With ``tiled_loss_chunk_size`` set the [B, S, Vp/tp] logits are never materialised.
+        """
+        hidden = self.hidden_states(input_ids, position_ids, segment_ids)
+        return causal_lm_loss_from_hidden(self, hidden, labels, ignore_index)
+
+
+def causal_lm_loss_from_hidden(model: LlamaForCausalLM, hidden: torch.Tensor, labels: torch.Tensor,
+                               ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed next-token cross-entropy from the lm-head input, tiled when ``model.tiled_loss_chunk_size`` is set.
+
+    Args:
+        model: the decoder (its ``lm_head.weight`` [Vp/tp, H], ``num_valid_vocab_local`` and
+            ``tiled_loss_chunk_size`` are used).
+        hidden: [B, S, H] from :meth:`LlamaForCausalLM.hidden_states`.
+        labels: [B, S] int64, already shifted; ``ignore_index`` marks positions without a target.
+
+    Returns:
+        ``(loss_sum, num_tokens)`` as :func:`causal_lm_loss`. Untiled: ``causal_lm_loss`` of the full logits.
+        Tiled (:func:`nxd_lc.layers.tiled.tiled_causal_lm_loss`): same loss and gradients, computed
+        ``tiled_loss_chunk_size`` tokens at a time, never holding more than ``[chunk, Vp/tp]`` logits.
+
+    Raises:
+        ValueError: shapes disagree or labels are not integers.
+    """
+    if model.tiled_loss_chunk_size is None:
+        return causal_lm_loss(model.logits_from_hidden(hidden), labels, ignore_index)
+    return tiled_causal_lm_loss(hidden, model.lm_head.weight, labels, chunk_size=model.tiled_loss_chunk_size,
+                                num_valid_vocab_local=model.num_valid_vocab_local, ignore_index=ignore_index)
 
 
 def causal_lm_loss(logits_local: torch.Tensor, labels: torch.Tensor,

@@ -1,0 +1,227 @@
+"""Convert an nxd_lc (NxD-layout, TP-sharded) training checkpoint into a Hugging Face model directory.
+
+::
+
+    torchrun --nproc_per_node=<TP> -m nxd_lc.checkpoint.convert --config-name cpu_tiny_llama_config \\
+        --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints/<tag> --output nxd_lc_runs/hf/cpu_tiny_llama
+
+Runs at the checkpoint's tensor-parallel size (one process per TP rank; PP = 1). Every rank builds the model
+of the run's config (sharded at construction, as in training), loads its own model shard
+(``<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_00.pt``, xser or plain, via
+:func:`nxd_lc.checkpoint.sharded.load_checkpoint`; keys are the LightningModule's ``model.<name>``), and then
+all ranks gather the shards with :func:`nxd_lc.models.llama.hf_adapter.save_hf_weights` (a TP collective);
+global rank 0 writes ``model.safetensors`` (+ index when sharded), ``config.json`` (the run's model config,
+``hf_config_overrides`` such as ``rope_scaling`` included), the run's tokenizer and ``nxd_lc_conversion.json``
+(where the weights came from). The output directory appears atomically: rank 0 writes into a hidden sibling
+staging directory and renames it into place. ``transformers.LlamaForCausalLM.from_pretrained(output)`` loads it,
+and ``model.hf_weights_dir: <output>`` starts another nxd_lc run from it, at any TP/CP size (the reverse
+direction, see :func:`~nxd_lc.models.llama.hf_adapter.load_hf_weights`).
+
+``--checkpoint`` is a checkpoint directory ``<root>/<tag>`` or a checkpoint root (the newest complete tag of it
+is used). Boolean options take an explicit value (``--overwrite true``, ``--save-tokenizer false``) or none
+(``--overwrite`` alone means true): NxDT's converter declares booleans with ``type=bool``, so ``--flag False``
+there means *True*; :func:`parse_bool` does not repeat that defect. Trailing ``key=value`` arguments are Hydra
+overrides of the run config (e.g. ``model.fuse_qkv=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import sys
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nxd_lc.checkpoint import sharded
+from nxd_lc.config.schema import NxdConfig
+
+log = logging.getLogger("nxd_lc.checkpoint.convert")
+
+MODEL_PREFIX = "model."  # the LightningModule holds the decoder as ``self.model``
+PROVENANCE_FILE = "nxd_lc_conversion.json"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_TRUE = ("true", "1", "yes", "y", "on")
+_FALSE = ("false", "0", "no", "n", "off")
+
+
+def parse_bool(text: str | bool) -> bool:
+    """Strict boolean for argparse: ``true/false, 1/0, yes/no, y/n, on/off`` (any case) -> bool.
+
+    Raises:
+        argparse.ArgumentTypeError: any other text (argparse turns it into a usage error naming the option).
+    """
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false, 1/0, yes/no), got {text!r}")
+
+
+def parse_optional_bool(text: str) -> bool | None:
+    """:func:`parse_bool`, plus ``auto`` / ``none`` -> None (auto-detect)."""
+    if str(text).strip().lower() in ("auto", "none"):
+        return None
+    return parse_bool(text)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The converter's command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m nxd_lc.checkpoint.convert",
+                                description="Convert an nxd_lc NxD-layout checkpoint into an HF model directory.")
+    p.add_argument("--config-name", required=True, help="run config name in --config-dir (e.g. cpu_tiny_llama_config)")
+    p.add_argument("--config-dir", default="conf", help="Hydra config directory (default: ./conf)")
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir <root>/<tag>, or a root (newest tag)")
+    p.add_argument("--output", required=True, help="HF output directory")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="dtype of the saved tensors (default: the model parameters' dtype)")
+    p.add_argument("--overwrite", type=parse_bool, nargs="?", const=True, default=False,
+                   help="replace an existing non-empty --output (true/false; bare flag = true)")
+    p.add_argument("--save-tokenizer", "--save_tokenizer", dest="save_tokenizer", type=parse_bool, nargs="?",
+                   const=True, default=True, help="copy the run's tokenizer into --output (default true)")
+    p.add_argument("--load-xser", "--load_xser", dest="load_xser", type=parse_optional_bool, default=None,
+                   help="checkpoint format: true (xser), false (torch.save) or auto (default: detect)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
+    return p
+
+
+def compose_run_config(config_name: str, config_dir: str = "conf", overrides: Sequence[str] = ()) -> NxdConfig:
+    """Compose ``<config_dir>/<config_name>.yaml`` with Hydra (+ overrides) and validate it.
+
+    Validated for its own world size (``trainer.devices * trainer.num_nodes``), without path checks.
+
+    Raises:
+        FileNotFoundError: the config directory or file does not exist.
+        nxd_lc.config.validate.ConfigError: the config is invalid (every problem listed).
+    """
+    from hydra import compose, initialize_config_dir
+
+    from nxd_lc.config.schema import register_configs
+    from nxd_lc.config.validate import load_config
+
+    conf_dir = os.path.abspath(config_dir)
+    name = config_name[:-5] if config_name.endswith(".yaml") else config_name
+    if not os.path.isfile(os.path.join(conf_dir, f"{name}.yaml")):
+        raise FileNotFoundError(f"--config-name: {os.path.join(conf_dir, name + '.yaml')} does not exist; "
+                                f"pass --config-dir or a config name from {conf_dir}")
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+        raw = compose(config_name=name, overrides=list(overrides))
+    return load_config(raw, world_size=None, check_paths=False)
+
+
+def resolve_checkpoint(path: str) -> tuple[str, str]:
+    """``(ckpt_root, tag)`` of ``path``: a checkpoint dir ``<root>/<tag>``, or a root (its newest complete tag).
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist (lists the complete tags next to it), is a root without a
+            complete checkpoint, or is a checkpoint without its ``done`` marker (incomplete save).
+    """
+    path = os.path.abspath(path)
+    root, tag = os.path.split(path.rstrip(os.sep))
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"--checkpoint: {path} does not exist; complete checkpoints in {root}: "
+                                f"{sharded.list_checkpoints(root)}")
+    if os.path.isdir(os.path.join(path, sharded.MODEL_DIR)) or os.path.isfile(os.path.join(path, sharded.DONE_FILE)):
+        if not sharded.is_complete(path):
+            raise FileNotFoundError(f"--checkpoint: {path} has no '{sharded.DONE_FILE}' marker: the save was "
+                                    f"interrupted; complete checkpoints in {root}: {sharded.list_checkpoints(root)}")
+        return root, tag
+    newest = sharded.latest_checkpoint(path)
+    if newest is None:
+        raise FileNotFoundError(f"--checkpoint: {path} is neither a checkpoint (no '{sharded.MODEL_DIR}/' dir) "
+                                f"nor a checkpoint root with a complete checkpoint")
+    log.info("--checkpoint %s is a checkpoint root; using its newest complete checkpoint %s", path, newest)
+    return path, newest
+
+
+def checkpoint_tp_size(tag_dir: str) -> int:
+    """Tensor-parallel size a checkpoint was saved with, from its model shard file names.
+
+    Raises:
+        FileNotFoundError: no model shards, or a TP rank's shard is missing (incomplete checkpoint).
+        ValueError: the checkpoint was saved with pipeline parallelism (not supported by the converter).
+    """
+    _, tps, pps = sharded._ranks_found(os.path.join(tag_dir, sharded.MODEL_DIR))
+    if not tps:
+        raise FileNotFoundError(f"checkpoint {tag_dir} has no model shards in {sharded.MODEL_DIR}/ "
+                                "(dp_rank_00_tp_rank_XX_pp_rank_XX.pt)")
+    if pps != {0}:
+        raise ValueError(f"checkpoint {tag_dir} was saved with pipeline_model_parallel_size "
+                         f"{max(pps) + 1}; the converter supports PP = 1 only")
+    tp = max(tps) + 1
+    missing = sorted(set(range(tp)) - tps)
+    if missing:
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of TP ranks {missing} (of "
+                                f"TP size {tp}) are missing")
+    return tp
+
+
+def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
+    """Check that ``cfg`` and the launch match the checkpoint's layout; returns its TP size.
+
+    Raises:
+        ValueError: the config's ``tensor_model_parallel_size`` or the number of launched processes differs
+            from the checkpoint's TP size, or the config uses pipeline parallelism (each names the fix).
+        FileNotFoundError: see :func:`checkpoint_tp_size`.
+    """
+    tp = checkpoint_tp_size(tag_dir)
+    ds = cfg.distributed_strategy
+    if ds.pipeline_model_parallel_size != 1:
+        raise ValueError("distributed_strategy.pipeline_model_parallel_size: the converter supports 1 only, got "
+                         f"{ds.pipeline_model_parallel_size}")
+    if ds.tensor_model_parallel_size != tp:
+        raise ValueError(f"TP mismatch: checkpoint {tag_dir} was saved with tensor_model_parallel_size {tp} but "
+                         f"the config has distributed_strategy.tensor_model_parallel_size="
+                         f"{ds.tensor_model_parallel_size}; pass the override "
+                         f"distributed_strategy.tensor_model_parallel_size={tp}")
+    if world_size != tp:
+        raise ValueError(f"TP mismatch: checkpoint {tag_dir} has {tp} TP shard(s) but {world_size} process(es) "
+                         f"were launched; run with torchrun --nproc_per_node={tp}")
+    return tp
+
+
+def build_model(cfg: NxdConfig) -> torch.nn.Module:
+    """The run's decoder, sharded for this rank's TP coordinate, with fresh weights (``hf_weights_dir`` not read).
+
+    Uses the training job's own builder so that the model matches the one that wrote the checkpoint.
+    """
+    from nxd_lc.train import _build_model
+
+    model_cfg = dataclasses.replace(cfg.model, hf_weights_dir=None)
+    _, model = _build_model(dataclasses.replace(cfg, model=model_cfg))
+    return model
+
+
+def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_rank: int,
+                     use_xser: bool | None = None) -> None:
+    """Copy this TP rank's model shard of ``<ckpt_root>/<tag>`` into ``model`` (strict: every parameter).
+
+    Raises:
+        FileNotFoundError: see :func:`nxd_lc.checkpoint.sharded.load_checkpoint`.
+        ValueError: the shard is not an nxd_lc LightningModule state dict, or its names/shapes do not match the
+            model built from the config (the message names the checkpoint).
+    """
+    state, _, _ = sharded.load_checkpoint(ckpt_root, tag, dp_rank=0, tp_rank=tp_rank, pp_rank=0,
+                                          load_optim=False, use_xser=use_xser)
+    if not isinstance(state, dict) or not any(str(k).startswith(MODEL_PREFIX) for k in state):
+        keys = list(state)[:3] if isinstance(state, dict) else type(state).__name__
+        raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)}: model shard has no '{MODEL_PREFIX}*' keys "
+                         f"(got {keys}); it was not written by nxd_lc's training module")
+    local = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+    try:
+        model.load_state_dict(local, strict=True)
+    except RuntimeError as e:
+        raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)} does not match the model of the config "
+                         f"(model.model_config, hf_config_overrides, fuse_qkv, qkv_linear, kv_replicator must "
+                         f"be those of the run that saved it): {e}") from e

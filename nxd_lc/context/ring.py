@@ -1,0 +1,256 @@
+"""Ring attention over the context-parallel group, causal load balanced, document-mask aware.
+
+Shapes (per CP rank; ``L = S / cp`` local tokens, the head-tail layout of :mod:`nxd_lc.context.sharding`):
+    q            [B, Hq, L, D]
+    k, v         [B, Hkv, L, D]     Hq % Hkv == 0 (GQA: query head h uses KV head h // (Hq / Hkv))
+    segment_ids  [B, L] integer     packed-document index (non-decreasing along the *global* sequence) or None
+    output       [B, Hq, L, D]      dtype of q
+
+Algorithm (ring attention, Liu et al. 2023, arXiv:2310.01889; flash-attention tiling and backward, Dao 2023,
+arXiv:2307.08691). Rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` (Megatron / torchtitan head-tail).
+K/V blocks (with their segment ids) travel around the CP ring: at step ``i`` rank ``r`` holds the block of rank
+``(r - i) mod cp``, while the next block is already in flight (:func:`collectives.ring_exchange`). Each local
+query tile meets each key tile of the visiting block; the mask is causal on *global* positions (derived from
+the chunk layout, so whole tiles are skipped or left unmasked without looking at data) AND same segment.
+Partial results merge by their log-sum-exp in fp32 (online softmax)::
+
+    lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
+
+Backward recomputes the probabilities from the saved ``lse`` (``P = exp(Q K^T scale - lse)``,
+``dS = P * (dO V^T - rowsum(dO * O))``, ``dQ = dS K scale``, ``dK = dS^T Q scale``, ``dV = P^T dO``); the K/V
+blocks go around the ring again, and their dK/dV accumulators travel with them and are sent one last hop
+back to the owner. Saved for backward: q, the local k/v/segment_ids, out and lse (fp32 ``[B, Hq, L]``).
+
+Memory is O(L): scores exist only per tile (``[B, Hq, T, T]`` fp32, ``T = tile_size``); nothing of shape
+``[L, S]`` or ``[L, L]`` is built. All score/softmax arithmetic is fp32 whatever the input dtype.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from nxd_lc.context.sharding import local_chunk_ranges
+from nxd_lc.distributed import collectives, parallel_state
+
+__all__ = ["DEFAULT_TILE_SIZE", "ring_attention"]
+
+DEFAULT_TILE_SIZE = 1024  # tokens per query / key tile
+_KV_TAG, _GRAD_TAG = 0, 16  # distinct p2p tags: K/V and dK/dV exchanges can be in flight together
+
+
+@dataclass(frozen=True)
+class _Tile:
+    """A run of ``length`` tokens starting at local index ``local`` and global position ``glob``."""
+
+    local: int
+    glob: int
+    length: int
+
+
+def _tiles(seq_len: int, cp_rank: int, cp_size: int, tile_size: int) -> list[_Tile]:
+    """Tiles (at most ``tile_size`` tokens, never crossing a chunk edge) of CP rank ``cp_rank``'s tokens."""
+    tiles, local = [], 0
+    for start, stop in local_chunk_ranges(seq_len, cp_rank, cp_size, "ring"):
+        for g in range(start, stop, tile_size):
+            n = min(tile_size, stop - g)
+            tiles.append(_Tile(local, g, n))
+            local += n
+    return tiles
+
+
+def _tile_mask(qt: _Tile, kt: _Tile, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+               device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    """(skip, mask) for a query/key tile pair; mask is bool, broadcastable to ``[B, Hkv, G, Tq, Tk]``
+    (True = attend) or None when every pair is allowed. ``skip`` when every key is after every query."""
+    if kt.glob > qt.glob + qt.length - 1:
+        return True, None
+    mask = None
+    if kt.glob + kt.length - 1 > qt.glob:  # the tiles overlap in position: causal mask needed
+        qpos = torch.arange(qt.glob, qt.glob + qt.length, device=device)
+        kpos = torch.arange(kt.glob, kt.glob + kt.length, device=device)
+        mask = kpos[None, :] <= qpos[:, None]  # [Tq, Tk]
+    if seg_q is not None and seg_k is not None:
+        sq = seg_q[:, qt.local:qt.local + qt.length]
+        sk = seg_k[:, kt.local:kt.local + kt.length]
+        same = (sq[:, :, None] == sk[:, None, :])[:, None, None]  # [B, 1, 1, Tq, Tk]
+        mask = same if mask is None else mask & same
+    return False, mask
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """fp32 scores ``[B, Hkv, G, Tq, Tk]`` of grouped q ``[B, Hkv, G, Tq, D]`` and k ``[B, Hkv, Tk, D]``."""
+    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
+    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+
+
+def _finite(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with -inf (rows that saw no key yet) replaced by 0, so ``exp(-inf - 0) = 0`` instead of NaN."""
+    return torch.where(torch.isinf(x), torch.zeros_like(x), x)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
+           lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Online-softmax merge of two partial results (out ``[..., T, D]``, lse ``[..., T]``, fp32)."""
+    new = torch.logaddexp(lse, lse_b)
+    ref = _finite(new)
+    merged = out * torch.exp(lse - ref).unsqueeze(-1) + out_b * torch.exp(lse_b - ref).unsqueeze(-1)
+    return merged, new
+
+
+def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_tiles: list[_Tile],
+                   k_tiles: list[_Tile], seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+                   out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
+    """Fold one K/V block into the running (out, lse) in place.
+
+    q/out ``[B, Hkv, G, L, D]`` fp32, lse ``[B, Hkv, G, L]`` fp32, k/v ``[B, Hkv, L, D]`` fp32.
+    """
+    for qt in q_tiles:
+        qs = slice(qt.local, qt.local + qt.length)
+        o_acc, l_acc = out[..., qs, :], lse[..., qs]
+        for kt in k_tiles:
+            skip, mask = _tile_mask(qt, kt, seg_q, seg_k, q.device)
+            if skip:
+                continue
+            ks = slice(kt.local, kt.local + kt.length)
+            s = _scores(q[..., qs, :], k[..., ks, :], mask, scale)
+            l_b = torch.logsumexp(s, dim=-1)
+            o_b = torch.matmul(torch.exp(s - _finite(l_b).unsqueeze(-1)), v[..., ks, :].unsqueeze(2))
+            o_acc, l_acc = _merge(o_acc, l_acc, o_b, l_b)
+        out[..., qs, :], lse[..., qs] = o_acc, l_acc
+
+
+def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    lse: torch.Tensor, delta: torch.Tensor, q_tiles: list[_Tile], k_tiles: list[_Tile],
+                    seg_q: torch.Tensor | None, seg_k: torch.Tensor | None, dq: torch.Tensor,
+                    scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradient contributions of one K/V block: adds into ``dq`` in place, returns this block's (dK, dV).
+
+    q/dout/dq ``[B, Hkv, G, L, D]``, lse/delta ``[B, Hkv, G, L]``, k/v and the results ``[B, Hkv, L, D]``;
+    all fp32. Formulas: FlashAttention-2 backward (Dao 2023, Algorithm 2).
+    """
+    dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    for qt in q_tiles:
+        qs = slice(qt.local, qt.local + qt.length)
+        q_t, do_t = q[..., qs, :], dout[..., qs, :]
+        for kt in k_tiles:
+            skip, mask = _tile_mask(qt, kt, seg_q, seg_k, q.device)
+            if skip:
+                continue
+            ks = slice(kt.local, kt.local + kt.length)
+            k_t, v_t = k[..., ks, :].unsqueeze(2), v[..., ks, :].unsqueeze(2)  # [B, Hkv, 1, Tk, D]
+            p = torch.exp(_scores(q_t, k[..., ks, :], mask, scale) - _finite(lse[..., qs]).unsqueeze(-1))
+            ds = p * (torch.matmul(do_t, v_t.transpose(-1, -2)) - delta[..., qs].unsqueeze(-1))
+            dq[..., qs, :] += torch.matmul(ds, k_t) * scale
+            dk[..., ks, :] += torch.matmul(ds.transpose(-1, -2), q_t).sum(2) * scale
+            dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), do_t).sum(2)
+    return dk, dv
+
+
+def _grouped(x: torch.Tensor, num_kv: int) -> torch.Tensor:
+    """``[B, Hq, L, D]`` -> fp32 ``[B, Hkv, G, L, D]`` (query head h = kv * G + g, HF repeat_kv order)."""
+    b, h, n, d = x.shape
+    return x.float().reshape(b, num_kv, h // num_kv, n, d)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Autograd function: forward/backward of :func:`ring_attention` (see the module docstring)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None,
+                scale: float, tile: int) -> torch.Tensor:
+        group = parallel_state.get_context_parallel_group()
+        cp, rank = collectives.group_size(group), collectives.group_rank(group)
+        b, hq, n, d = q.shape
+        hkv, seq_len = k.shape[1], n * cp
+        q_tiles = _tiles(seq_len, rank, cp, tile)
+        qf = _grouped(q, hkv)
+        out = torch.zeros_like(qf)
+        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+        block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
+        for step in range(cp):
+            src = (rank - step) % cp
+            pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
+            seg_k = block[2] if seg is not None else None
+            _block_forward(qf, block[0], block[1], q_tiles, _tiles(seq_len, src, cp, tile), seg, seg_k, out, lse,
+                           scale)
+            if pending is not None:
+                block = pending.wait()
+        result = out.reshape(b, hq, n, d).to(q.dtype)
+        ctx.save_for_backward(q, k, v, seg, result, lse)
+        ctx.scale, ctx.tile = scale, tile
+        return result
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        q, k, v, seg, out, lse = ctx.saved_tensors
+        group = parallel_state.get_context_parallel_group()
+        cp, rank = collectives.group_size(group), collectives.group_rank(group)
+        b, hq, n, d = q.shape
+        hkv, seq_len = k.shape[1], n * cp
+        q_tiles = _tiles(seq_len, rank, cp, ctx.tile)
+        qf, dof = _grouped(q, hkv), _grouped(grad_out, hkv)
+        delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, G, L]
+        dq = torch.zeros_like(qf)
+        block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
+        incoming = None  # in-flight dK/dV accumulators of the block this rank handles next
+        for step in range(cp):
+            src = (rank - step) % cp
+            pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
+            seg_k = block[2] if seg is not None else None
+            dk, dv = _block_backward(qf, block[0], block[1], dof, lse, delta, q_tiles,
+                                     _tiles(seq_len, src, cp, ctx.tile), seg, seg_k, dq, ctx.scale)
+            if incoming is not None:
+                dk_in, dv_in = incoming.wait()
+                dk, dv = dk + dk_in, dv + dv_in
+            incoming = collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)  # last hop: back to the owner
+            if pending is not None:
+                block = pending.wait()
+        dk, dv = incoming.wait()
+        return (dq.reshape(b, hq, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, tile_size: int) -> None:
+    """Shape/argument checks of :func:`ring_attention` (ValueError naming the offending tensor)."""
+    if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
+        raise ValueError(f"ring_attention expects q [B,Hq,L,D], k and v [B,Hkv,L,D]; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
+        raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, L, D and "
+                         f"the query heads must be a multiple of the KV heads")
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp > 1 and q.shape[2] % 2:
+        raise ValueError(f"ring_attention: the local sequence ({q.shape[2]} tokens) must hold 2 equal chunks; "
+                         f"set data.seq_length to a multiple of 2 x context_parallel_size = {2 * cp}")
+    if seg is not None and (tuple(seg.shape) != (q.shape[0], q.shape[2]) or seg.is_floating_point()):
+        raise ValueError(f"ring_attention: segment_ids must be an integer [B, L] = {(q.shape[0], q.shape[2])} "
+                         f"tensor, got {seg.dtype} {tuple(seg.shape)}")
+    if tile_size < 1:
+        raise ValueError(f"ring_attention: tile_size must be >= 1, got {tile_size}")
+
+
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None = None,
+                   scale: float | None = None, tile_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
+    """Causal (optionally document-masked) attention of this CP rank's queries over the whole sequence.
+
+    Args:
+        q: ``[B, Hq, L, D]`` local queries in the head-tail layout (chunks ``r`` and ``2cp-1-r``).
+        k, v: ``[B, Hkv, L, D]`` local keys/values, same layout (not expanded to Hq heads).
+        segment_ids: ``[B, L]`` local packed-document ids (sharded like the tokens) or None (one document).
+        scale: score scale, default ``1 / sqrt(D)``.
+        tile_size: query/key tile length in tokens (peak score memory ``B * Hq * tile_size^2 * 4`` bytes).
+
+    Returns:
+        ``[B, Hq, L, D]`` in q's dtype; equal to full causal attention over the unsharded sequence, restricted
+        to this rank's rows. With CP size 1 it is plain causal attention. Collective over the CP group (every
+        CP rank must call it, forward and backward).
+
+    Raises:
+        ValueError: inconsistent shapes, an odd local length under CP > 1, non-integer segment_ids, bad tile.
+    """
+    _check(q, k, v, segment_ids, tile_size)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    return _RingAttention.apply(q, k, v, segment_ids, scale, int(tile_size))

@@ -1,0 +1,175 @@
+"""Activation checkpointing with NxDT semantics, and the one call that applies every memory technique.
+
+NxDT keys (``model:`` section):
+
+* ``activations_checkpoint_granularity: null`` -- nothing is recomputed.
+* ``full`` -- every decoder layer (``model.layers[i]``) is recomputed in backward: only the layer inputs
+  ``[B, S(/tp), H]`` are kept between forward and backward.
+* ``selective`` -- the modules whose *class name* is listed in ``activations_checkpoint_recompute`` (e.g.
+  ``[CoreAttention]``, NxDT's default, or ``[CoreAttention, LlamaMLP]``) are recomputed. Unlike NxDT, a name
+  that matches no module class of the decoder layers is an error (NxDT silently skips it).
+
+Mechanism: the chosen modules' ``forward`` is replaced, on the instance, by
+``torch.utils.checkpoint.checkpoint(type(m).forward, m, ..., use_reentrant=False)`` (Chen et al. 2016,
+arXiv:1604.06174; non-reentrant checkpointing as in torch). Parameter names and the state dict are unchanged
+(no wrapper module), the RNG state is restored for the recomputation, and collectives inside a recomputed
+region (sequence-parallel all-gathers, reduce-scatters, context-parallel exchanges) are re-run identically on
+every rank in backward. Under ``torch.no_grad`` the original forward runs.
+
+:func:`apply_memory_techniques` applies ``model.tiled_loss_chunk_size``, ``model.tiled_mlp_chunk_size`` and the
+activation checkpointing keys to a constructed :class:`~nxd_lc.models.llama.model.LlamaForCausalLM`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from nxd_lc.layers.tiled import check_chunk_size
+from nxd_lc.models.common.mlp import LlamaMLP
+
+__all__ = [
+    "GRANULARITIES",
+    "apply_activation_checkpointing",
+    "apply_memory_techniques",
+    "apply_tiled_mlp",
+    "recomputable_module_names",
+]
+
+GRANULARITIES = (None, "selective", "full")
+_FLAG = "_nxd_activation_checkpointed"
+
+
+def _decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """``model.layers`` (the decoder layers); ValueError if the model has none."""
+    layers = model._modules.get("layers")
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(
+            f"activation checkpointing needs a decoder with a 'layers' ModuleList (e.g. LlamaForCausalLM); "
+            f"got {type(model).__name__}"
+        )
+    return layers
+
+
+def recomputable_module_names(model: nn.Module) -> list[str]:
+    """Sorted class names of the modules inside the decoder layers (layer class included): the valid entries
+    of ``model.activations_checkpoint_recompute`` for this model (e.g. ``CoreAttention``, ``LlamaAttention``,
+    ``LlamaDecoderLayer``, ``LlamaMLP``, ``RMSNorm``, and the parallel linear layers).
+
+    Raises:
+        ValueError: the model has no ``layers`` ModuleList.
+    """
+    return sorted({type(m).__name__ for layer in _decoder_layers(model) for m in layer.modules()})
+
+
+def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """The class forward of ``module`` under non-reentrant checkpointing (plain call without grad)."""
+    forward = type(module).forward
+    if not torch.is_grad_enabled():
+        return forward(module, *args, **kwargs)
+    return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
+
+
+def _wrap(module: nn.Module) -> bool:
+    """Route ``module``'s forward through :func:`_checkpointed_forward`; False if it already was."""
+    if getattr(module, _FLAG, False):
+        return False
+    # a partial of a module-level function (not a closure): deepcopy / pickle re-bind it to the copied module
+    module.forward = functools.partial(_checkpointed_forward, module)
+    setattr(module, _FLAG, True)
+    return True
+
+
+def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
+                                   recompute: Sequence[str] | None = None) -> list[str]:
+    """Make ``model`` recompute activations in backward per NxDT's granularity (see the module docstring).
+
+    Args:
+        model: the decoder (a module with a ``layers`` ModuleList), after construction (and weight loading).
+        granularity: ``None`` | ``"selective"`` | ``"full"`` (``model.activations_checkpoint_granularity``).
+        recompute: class names for ``selective`` (``model.activations_checkpoint_recompute``); ignored
+            (must be a list or None) for the other granularities, as in NxDT.
+
+    Returns:
+        Qualified names of the modules now checkpointed (empty for ``None``). Applying twice is a no-op.
+
+    Raises:
+        ValueError: unknown granularity; ``selective`` with no names; a name that is not a module class of the
+            decoder layers (the message lists the valid names).
+    """
+    if granularity not in GRANULARITIES:
+        raise ValueError(f"model.activations_checkpoint_granularity: unknown value {granularity!r}; choose "
+                         f"null, selective or full")
+    if granularity is None:
+        return []
+    layers = _decoder_layers(model)
+    if granularity == "full":
+        targets = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+    else:
+        targets = _selective_targets(model, layers, list(recompute or []))
+    return [name for name, module in targets if _wrap(module)]
+
+
+def _selective_targets(model: nn.Module, layers: nn.ModuleList,
+                       names: list[str]) -> list[tuple[str, nn.Module]]:
+    """(qualified name, module) of every module in ``layers`` whose class name is in ``names``."""
+    valid = recomputable_module_names(model)
+    if not names:
+        raise ValueError("model.activations_checkpoint_recompute: 'selective' granularity needs module class "
+                         f"names to recompute, e.g. [CoreAttention]; valid names: {valid}")
+    unknown = [n for n in names if n not in valid]
+    if unknown:
+        raise ValueError(f"model.activations_checkpoint_recompute: unknown module name(s) {unknown}; valid "
+                         f"names for this model: {valid}")
+    return [(f"layers.{i}.{sub}" if sub else f"layers.{i}", m)
+            for i, layer in enumerate(layers) for sub, m in layer.named_modules()
+            if type(m).__name__ in names]
+
+
+def apply_tiled_mlp(model: nn.Module, chunk_size: int | None) -> int:
+    """Set ``tiled_chunk_size`` on every :class:`LlamaMLP` in ``model``; returns how many were set.
+
+    Raises:
+        ValueError: ``chunk_size`` is not None or a positive int (names ``model.tiled_mlp_chunk_size``).
+    """
+    if chunk_size is not None:
+        check_chunk_size(chunk_size, "model.tiled_mlp_chunk_size")
+    mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
+    for mlp in mlps:
+        mlp.tiled_chunk_size = chunk_size
+    return len(mlps)
+
+
+def apply_memory_techniques(model: nn.Module, model_cfg: Any) -> list[str]:
+    """Apply ``model_cfg`` (a :class:`nxd_lc.config.schema.ModelConfig`) memory keys to a built decoder:
+
+    * ``tiled_loss_chunk_size`` -> ``model.tiled_loss_chunk_size`` (used by ``LlamaForCausalLM.loss``),
+    * ``tiled_mlp_chunk_size`` -> every ``LlamaMLP.tiled_chunk_size``,
+    * ``activations_checkpoint_granularity`` / ``activations_checkpoint_recompute`` ->
+      :func:`apply_activation_checkpointing`.
+
+    Call once, after construction and weight loading, before the optimizer is built (parameters are not
+    changed, so the order relative to the optimizer does not matter for correctness).
+
+    Returns:
+        The qualified names of the checkpointed modules.
+
+    Raises:
+        ValueError: a bad chunk size or checkpointing key (each names its config key); the model has no
+            ``tiled_loss_chunk_size`` attribute while a loss chunk size is set.
+    """
+    loss_chunk = model_cfg.tiled_loss_chunk_size
+    if loss_chunk is not None:
+        check_chunk_size(loss_chunk, "model.tiled_loss_chunk_size")
+        if not hasattr(model, "tiled_loss_chunk_size"):
+            raise ValueError(f"model.tiled_loss_chunk_size: {type(model).__name__} has no tiled loss; "
+                             "use LlamaForCausalLM or set it to null")
+    if hasattr(model, "tiled_loss_chunk_size"):
+        model.tiled_loss_chunk_size = loss_chunk
+    apply_tiled_mlp(model, model_cfg.tiled_mlp_chunk_size)
+    return apply_activation_checkpointing(model, model_cfg.activations_checkpoint_granularity,
+                                          model_cfg.activations_checkpoint_recompute)

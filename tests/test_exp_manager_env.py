@@ -1,0 +1,111 @@
+"""exp_manager paths/resume plan and the config -> environment mapping."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from omegaconf import OmegaConf
+
+from nxd_lc.checkpoint import sharded
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.validate import ConfigError
+from nxd_lc.lightning import exp_manager
+from nxd_lc.runtime.env import apply_env, format_env_table
+
+
+def _cfg(**exp: object) -> NxdConfig:
+    base = OmegaConf.structured(NxdConfig)
+    base.exp_manager = OmegaConf.merge(base.exp_manager, exp)
+    return OmegaConf.to_object(base)  # type: ignore[return-value]
+
+
+def _save(root: str, tag: str, step: int) -> str:
+    sharded.save_checkpoint(root, tag, model_state={"w": step}, optim_state=None, user_content={"global_step": step},
+                            dp_rank=0, tp_rank=0, pp_rank=0, is_global_zero=True, write_model=True,
+                            write_optim=False, use_xser=False)
+    return os.path.join(root, tag)
+
+
+def test_paths_explicit_and_exp_dir(tmp_path) -> None:
+    p = exp_manager.experiment_paths(_cfg(explicit_log_dir=str(tmp_path / "x")))
+    assert p.log_dir == str(tmp_path / "x") and p.checkpoint_dir == str(tmp_path / "x" / "checkpoints")
+    p = exp_manager.experiment_paths(_cfg(exp_dir=str(tmp_path), name="run"))
+    assert p.log_dir == str(tmp_path / "run")
+
+
+def test_resume_plan_picks_newest_complete_and_ignores_partial(tmp_path) -> None:
+    cfg = _cfg(explicit_log_dir=str(tmp_path))
+    paths = exp_manager.experiment_paths(cfg)
+    assert exp_manager.resume_plan(cfg, paths) == (None, None)
+    _save(paths.checkpoint_dir, "step=2", 2)
+    newest = _save(paths.checkpoint_dir, "step=4", 4)
+    os.makedirs(os.path.join(paths.checkpoint_dir, ".step=6.partial", "model"))  # an interrupted save
+    assert exp_manager.resume_plan(cfg, paths) == (newest, None)
+    exp_manager.cleanup_interrupted_saves(paths, is_global_zero=True)
+    assert sorted(os.listdir(paths.checkpoint_dir)) == ["newest", "step=2", "step=4"]
+
+
+def test_resume_plan_errors_and_explicit(tmp_path) -> None:
+    strict = _cfg(explicit_log_dir=str(tmp_path / "a"), resume_ignore_no_checkpoint=False)
+    with pytest.raises(ConfigError, match="exp_manager.resume_if_exists: no complete checkpoint"):
+        exp_manager.resume_plan(strict, exp_manager.experiment_paths(strict))
+    incomplete = tmp_path / "ck" / "step=1"
+    incomplete.mkdir(parents=True)
+    bad = _cfg(explicit_log_dir=str(tmp_path / "b"), resume_from_checkpoint=str(incomplete))
+    with pytest.raises(ConfigError, match="exp_manager.resume_from_checkpoint: .* not a complete checkpoint"):
+        exp_manager.resume_plan(bad, exp_manager.experiment_paths(bad))
+    good = _save(str(tmp_path / "ck"), "step=3", 3)
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "c"), resume_from_checkpoint=good)
+    assert exp_manager.resume_plan(cfg, exp_manager.experiment_paths(cfg)) == (good, None)
+
+
+def test_weight_init_only_then_own_checkpoints_win(tmp_path) -> None:
+    init = _save(str(tmp_path / "pretrained"), "step=9", 9)
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "run"), resume_from_checkpoint=init)
+    cfg.model.weight_init_only = True
+    paths = exp_manager.experiment_paths(cfg)
+    assert exp_manager.resume_plan(cfg, paths) == (None, init)
+    own = _save(paths.checkpoint_dir, "step=1", 1)
+    assert exp_manager.resume_plan(cfg, paths) == (own, None)
+
+
+def test_log_files_follow_log_local_rank_0_only(tmp_path) -> None:
+    cfg = _cfg(explicit_log_dir=str(tmp_path))
+    paths = exp_manager.experiment_paths(cfg)
+    assert exp_manager.setup_log_files(cfg, paths, global_rank=1, local_rank=1) is None
+    cfg.exp_manager.log_local_rank_0_only = False
+    path = exp_manager.setup_log_files(cfg, paths, global_rank=1, local_rank=1)
+    assert path is not None and path.endswith("nxd_lc_log_globalrank-1_localrank-1.txt")
+
+
+def test_env_mapping_existing_variables_win() -> None:
+    cfg = _cfg()
+    cfg.compiler_flags = "--model-type transformer"
+    cfg.async_exec_max_inflight_requests = 5
+    cfg.bucket_size_collectives = 1024
+    cfg.neuron_experimental_compress_rg = False
+    env = {"NEURON_RT_EXEC_TIMEOUT": "7", "NEURON_CC_FLAGS": "--foo", "BUCKET_CAP_MB": "64"}
+    cfg.neuron_rt_exec_timeout = 100
+    entries = {e.var: e for e in apply_env(cfg, environ=env)}
+    assert env["NEURON_RT_EXEC_TIMEOUT"] == "7" and entries["NEURON_RT_EXEC_TIMEOUT"].source == "environment"
+    assert env["BUCKET_CAP_MB"] == "64"
+    assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "5"
+    assert env["NEURON_EXPERIMENTAL_COMPRESS_RG"] == "0"
+    assert env["NEURON_CC_FLAGS"] == "--foo --auto-cast none --model-type transformer"  # fp32 flag, then config's
+    assert env["XLA_USE_BF16"] == "0" and env["XLA_DOWNCAST_BF16"] == "0"
+    assert env["NEURON_COMPILE_CACHE_URL"] == "./compiler_cache" and env["NEURON_FUSE_SOFTMAX"] == "1"
+    assert "NEURON_RT_EXEC_TIMEOUT" in format_env_table(list(entries.values()))
+    apply_env(cfg, environ=env)  # idempotent: flags are not appended twice
+    assert env["NEURON_CC_FLAGS"] == "--foo --auto-cast none --model-type transformer"
+
+
+@pytest.mark.parametrize("ptype,expected", [("bf16SR", ("1", "0", "1")), ("mixed_precision", ("0", "1", "0")),
+                                            ("mixed_precisionSR", ("0", "1", "1"))])
+def test_precision_env_per_nxdt_table(ptype: str, expected: tuple[str, str, str]) -> None:
+    cfg = _cfg()
+    cfg.precision.type = ptype
+    env: dict[str, str] = {}
+    apply_env(cfg, environ=env)
+    got = (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"])
+    assert got == expected and "--enable-mixed-precision-accumulation" in env["NEURON_CC_FLAGS"]

@@ -1,0 +1,304 @@
+"""Tiled cross-entropy, tiled MLP and activation checkpointing: same loss and gradients as the plain path
+(single process and TP=2 + sequence parallelism on 2 gloo processes), NxDT checkpointing semantics and errors,
+and the memory effect (peak live tensor bytes and the largest tensor, tracked op by op with a dispatch mode).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from transformers import LlamaConfig
+
+from nxd_lc.config.schema import ModelConfig
+from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
+from nxd_lc.layers import merge_tensor_shards, parallel_cross_entropy
+from nxd_lc.layers.tiled import tiled_apply, tiled_causal_lm_loss, tiled_cross_entropy, vocab_parallel_logits
+from nxd_lc.models.common import attention
+from nxd_lc.models.common.checkpointing import (
+    apply_activation_checkpointing,
+    apply_memory_techniques,
+    recomputable_module_names,
+)
+from nxd_lc.models.common.mlp import LlamaMLP
+from nxd_lc.models.llama import LlamaForCausalLM
+
+VOCAB, B, S = 97, 2, 16
+# (label, model_cfg overrides): every technique alone and all together
+VARIANTS: list[tuple[str, dict[str, Any]]] = [
+    ("tiled_loss", {"tiled_loss_chunk_size": 5}),
+    ("tiled_mlp", {"tiled_mlp_chunk_size": 3}),
+    ("full", {"activations_checkpoint_granularity": "full"}),
+    ("selective", {"activations_checkpoint_granularity": "selective",
+                   "activations_checkpoint_recompute": ["CoreAttention", "LlamaMLP"]}),
+    ("all", {"tiled_loss_chunk_size": 7, "tiled_mlp_chunk_size": 5, "activations_checkpoint_granularity": "selective",
+             "activations_checkpoint_recompute": ["LlamaDecoderLayer", "CoreAttention", "LlamaMLP"]}),
+]
+
+
+def _config(**kw: Any) -> LlamaConfig:
+    args: dict[str, Any] = {
+        "vocab_size": VOCAB, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 64, "rope_theta": 10000.0,
+    }
+    args.update(kw)
+    return LlamaConfig(**args)
+
+
+def _batch(seed: int = 0, vocab: int = VOCAB, b: int = B, s: int = S) -> dict[str, torch.Tensor]:
+    """Two packed documents per row (split at s//3), position ids reset per document, some ignored labels."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, s), generator=g)
+    labels = torch.cat([ids[:, 1:], torch.full((b, 1), -100)], dim=1)
+    labels[0, :3] = -100
+    cut = s // 3
+    seg = (torch.arange(s) >= cut).to(torch.int32).expand(b, s).contiguous()
+    pos = torch.cat([torch.arange(cut), torch.arange(s - cut)]).expand(b, s).contiguous()
+    return {"input_ids": ids, "labels": labels, "position_ids": pos, "segment_ids": seg}
+
+
+def _model(config: LlamaConfig, sp: bool = False, **cfg: Any) -> LlamaForCausalLM:
+    torch.manual_seed(1234)  # use_cpu_initialization: TP=2 shards of the same full weights as TP=1
+    model = LlamaForCausalLM(config, sequence_parallel=sp)
+    apply_memory_techniques(model, ModelConfig(**cfg))
+    return model
+
+
+def _step(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Mean token loss and every parameter's full (TP-gathered) gradient after one backward."""
+    model.zero_grad(set_to_none=True)
+    loss_sum, num = model.loss(batch["input_ids"], batch["labels"], batch["position_ids"],
+                               segment_ids=batch["segment_ids"])
+    loss = loss_sum / num
+    loss.backward()
+    allreduce_sequence_parallel_gradients(model)
+    allreduce_kv_replica_gradients(model)
+    return loss.detach(), {n: _full_grad(p) for n, p in model.named_parameters()}
+
+
+def _full_grad(param: torch.nn.Parameter) -> torch.Tensor:
+    if not getattr(param, "tensor_model_parallel", False) or parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return param.grad.detach().clone()
+    tp, dim, stride = parallel_state.get_tensor_model_parallel_world_size(), param.partition_dim, param.partition_stride
+    shards = collectives.all_gather(param.grad.contiguous(), dim, parallel_state.get_tensor_model_parallel_group())
+    return merge_tensor_shards(shards.chunk(tp, dim), dim, stride)
+
+
+def _assert_same(loss: torch.Tensor, grads: dict[str, torch.Tensor], ref: tuple[torch.Tensor, dict], atol: float,
+                 label: str) -> None:
+    torch.testing.assert_close(loss, ref[0], atol=atol, rtol=0, msg=f"{label}: loss")
+    assert grads.keys() == ref[1].keys()
+    for name, grad in grads.items():
+        want = ref[1][name]
+        grad = grad[: want.shape[0]] if grad.shape != want.shape else grad  # padded vocab rows at TP=2
+        torch.testing.assert_close(grad, want, atol=atol, rtol=1e-5, msg=f"{label}: grad of {name}")
+
+
+# ---- single process ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def reference() -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    return _step(_model(_config()), _batch())
+
+
+@pytest.mark.parametrize(("label", "cfg"), VARIANTS, ids=[v[0] for v in VARIANTS])
+def test_technique_matches_plain_path(reference: tuple, label: str, cfg: dict[str, Any]) -> None:
+    loss, grads = _step(_model(_config(), **cfg), _batch())
+    _assert_same(loss, grads, reference, atol=1e-6, label=label)
+
+
+@pytest.mark.parametrize("chunk", [1, 4, 13, 1000])
+def test_tiled_cross_entropy_functions_match_untiled(chunk: int) -> None:
+    """Loss sum (fused) and per-token (checkpointed) tiled CE vs parallel_cross_entropy, with padded vocab."""
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 11, 8, requires_grad=True)
+    weight = torch.randn(20, 8, requires_grad=True)  # 20 local columns, 17 real
+    labels = torch.randint(0, 17, (2, 11))
+    labels[1, 4:7] = -100
+    per_tok = parallel_cross_entropy(vocab_parallel_logits(hidden, weight, 17), labels)
+    g_out = torch.randn(2, 11)
+    want_h, want_w = torch.autograd.grad((per_tok * g_out).sum(), (hidden, weight))
+    tiled = tiled_cross_entropy(hidden, weight, labels, chunk_size=chunk, num_valid_vocab_local=17)
+    torch.testing.assert_close(tiled, per_tok, atol=1e-6, rtol=0)
+    got = torch.autograd.grad((tiled * g_out).sum(), (hidden, weight))
+    for a, b in zip(got, (want_h, want_w)):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    total, num = tiled_causal_lm_loss(hidden, weight, labels, chunk_size=chunk, num_valid_vocab_local=17)
+    assert num.item() == int((labels != -100).sum())
+    torch.testing.assert_close(total, per_tok.sum(), atol=1e-5, rtol=0)
+    got = torch.autograd.grad(total * 0.37, (hidden, weight))  # backward scales by the incoming gradient
+    want = torch.autograd.grad(per_tok.sum() * 0.37, (hidden, weight))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        torch.testing.assert_close(tiled_causal_lm_loss(hidden, weight, labels, chunk_size=chunk,
+                                                        num_valid_vocab_local=17)[0], total, atol=1e-5, rtol=0)
+
+
+def test_tiled_apply_matches_and_rejects_bad_chunk() -> None:
+    torch.manual_seed(0)
+    mlp = LlamaMLP(8, 12)
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    want = torch.autograd.grad(mlp(x).pow(2).sum(), (x, *mlp.parameters()))
+    mlp.tiled_chunk_size = 4
+    y = mlp(x)
+    assert y.shape == (3, 5, 8)
+    got = torch.autograd.grad(y.pow(2).sum(), (x, *mlp.parameters()))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+    for bad in (0, -3, 2.5, True):
+        with pytest.raises(ValueError, match="model.tiled_mlp_chunk_size"):
+            tiled_apply(mlp._local_mlp, x, bad, list(mlp.parameters()))
+    with pytest.raises(ValueError, match="model.tiled_loss_chunk_size"):
+        tiled_causal_lm_loss(x, torch.randn(4, 8), torch.zeros(3, 5, dtype=torch.long), chunk_size=0,
+                             num_valid_vocab_local=4)
+    with pytest.raises(ValueError, match="disagree"):
+        tiled_causal_lm_loss(x, torch.randn(4, 8), torch.zeros(3, 4, dtype=torch.long), chunk_size=2,
+                             num_valid_vocab_local=4)
+
+
+def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'full' re-runs every layer in backward, 'selective' only the named modules; state dict is unchanged."""
+    calls = {"attn": 0}
+    original = attention.core_attention
+
+    def counting(*args: Any, **kwargs: Any) -> torch.Tensor:
+        calls["attn"] += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(attention, "core_attention", counting)
+    for granularity, recompute, expect in [(None, None, 2), ("full", None, 4), ("selective", ["CoreAttention"], 4),
+                                           ("selective", ["LlamaMLP"], 2)]:
+        model = _model(_config())
+        keys = list(model.state_dict())
+        names = apply_activation_checkpointing(model, granularity, recompute)
+        assert list(model.state_dict()) == keys
+        calls["attn"] = 0
+        _step(model, _batch())
+        assert calls["attn"] == expect, (granularity, recompute)
+        if granularity == "full":
+            assert names == ["layers.0", "layers.1"]
+        if recompute == ["LlamaMLP"]:
+            assert names == ["layers.0.mlp", "layers.1.mlp"]
+            assert apply_activation_checkpointing(model, granularity, recompute) == []  # idempotent
+    with torch.no_grad():  # no recomputation machinery without grad
+        model(_batch()["input_ids"])
+
+
+def test_checkpointing_errors_name_the_key() -> None:
+    model = _model(_config())
+    valid = recomputable_module_names(model)
+    assert {"CoreAttention", "LlamaMLP", "LlamaAttention", "LlamaDecoderLayer", "RMSNorm"} <= set(valid)
+    with pytest.raises(ValueError, match=r"activations_checkpoint_recompute.*'CoreAtention'.*CoreAttention"):
+        apply_activation_checkpointing(model, "selective", ["CoreAtention"])
+    with pytest.raises(ValueError, match="activations_checkpoint_recompute.*needs module class names"):
+        apply_activation_checkpointing(model, "selective", [])
+    with pytest.raises(ValueError, match="activations_checkpoint_granularity: unknown value 'layer'"):
+        apply_activation_checkpointing(model, "layer", None)
+    with pytest.raises(ValueError, match="'layers' ModuleList"):
+        apply_activation_checkpointing(torch.nn.Linear(2, 2), "full", None)
+    with pytest.raises(ValueError, match="model.tiled_mlp_chunk_size"):
+        apply_memory_techniques(model, ModelConfig(tiled_mlp_chunk_size=0))
+
+
+def test_deepcopy_keeps_checkpointing_bound_to_the_copy() -> None:
+    import copy
+
+    model = _model(_config(), activations_checkpoint_granularity="full")
+    clone = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in clone.parameters():
+            p.zero_()
+    batch = _batch()
+    assert not torch.equal(model(batch["input_ids"]), clone(batch["input_ids"]))
+    assert clone.layers[0].forward.args[0] is clone.layers[0]
+
+
+# ---- memory effect ----------------------------------------------------------------------------------------------
+class _LiveBytes(TorchDispatchMode):
+    """Tracks bytes of tensor storages created inside the mode that are still alive: ``peak`` and ``largest``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.current = self.peak = self.largest = 0
+        self._live: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self._track(t.untyped_storage())
+        return out
+
+    def _track(self, storage: torch.UntypedStorage) -> None:
+        key, size = id(storage), storage.nbytes()
+        if key in self._live:
+            return
+        self._live.add(key)
+        self.current += size
+        self.peak, self.largest = max(self.peak, self.current), max(self.largest, size)
+        weakref.finalize(storage, self._free, key, size)
+
+    def _free(self, key: int, size: int) -> None:
+        self._live.discard(key)
+        self.current -= size
+
+
+def _measure(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> _LiveBytes:
+    with _LiveBytes() as mode:
+        loss_sum, num = model.loss(batch["input_ids"], batch["labels"], batch["position_ids"])
+        (loss_sum / num).backward()
+        del loss_sum
+    return mode
+
+
+def test_memory_effect_of_each_technique() -> None:
+    """Tiled CE never holds a [L, V] tensor; tiled MLP never a [L, 2I] one; checkpointing lowers the peak."""
+    config = _config(vocab_size=2048, hidden_size=32, intermediate_size=512, num_hidden_layers=3)
+    batch = _batch(vocab=2048, b=1, s=256)
+    tokens = 256
+    plain = _measure(_model(config), batch)
+    logits_bytes = tokens * 2048 * 4
+    assert plain.largest >= logits_bytes
+    tiled_ce = _measure(_model(config, tiled_loss_chunk_size=32), batch)
+    assert tiled_ce.largest < logits_bytes / 4
+    assert tiled_ce.peak < plain.peak - logits_bytes
+    mlp_act = tokens * 2 * 512 * 4  # [L, 2I] gate/up output
+    small_vocab = _config(hidden_size=32, intermediate_size=512, num_hidden_layers=3)
+    base = _measure(_model(small_vocab), _batch(b=1, s=256))
+    tiled_mlp = _measure(_model(small_vocab, tiled_mlp_chunk_size=32), _batch(b=1, s=256))
+    assert base.largest >= mlp_act and tiled_mlp.largest < mlp_act / 4
+    assert tiled_mlp.peak < base.peak - 2 * mlp_act  # 3 layers' gate/up/silu activations are not kept
+    full = _measure(_model(small_vocab, activations_checkpoint_granularity="full"), _batch(b=1, s=256))
+    selective = _measure(_model(small_vocab, activations_checkpoint_granularity="selective",
+                                activations_checkpoint_recompute=["LlamaMLP"]), _batch(b=1, s=256))
+    assert full.peak < selective.peak < base.peak
+    combined = _measure(_model(config, tiled_loss_chunk_size=32, tiled_mlp_chunk_size=32,
+                               activations_checkpoint_granularity="full"), batch)
+    assert combined.peak < plain.peak / 3
+
+
+# ---- TP=2 + sequence parallel -----------------------------------------------------------------------------------
+def _tp_worker(rank: int, world: int, ref_loss: torch.Tensor, ref_grads: dict[str, torch.Tensor]) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
+    config, batch = _config(), _batch()
+    plain = _step(_model(config, sp=True), batch)
+    _assert_same(*plain, (ref_loss, ref_grads), atol=2e-5, label="tp2 plain")
+    for label, cfg in VARIANTS:
+        loss, grads = _step(_model(config, sp=True, **cfg), batch)
+        _assert_same(loss, grads, plain, atol=1e-6, label=f"tp2+sp {label} vs tp2+sp plain")
+    # tiled CE on the local vocab shard: never [L, V/tp] logits
+    model = _model(config, sp=True, tiled_loss_chunk_size=4)
+    mode = _measure(model, batch)
+    assert mode.largest < B * S * model.padded_vocab_size // world * 4
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tp2_sequence_parallel_all_techniques(reference: tuple) -> None:
+    run_distributed(_tp_worker, 2, *reference)
