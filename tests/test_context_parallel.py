@@ -1,6 +1,8 @@
 """Context parallelism: batch sharding layout, ring and Ulysses attention (forward and backward against full
 attention), and a tiny Llama trained one step at CP=2 (ring, Ulysses) and TP=2 x CP=2 with sequence parallelism,
-compared with a single-process run on the full sequence (loss and every parameter gradient).
+compared with a single-process run on the full sequence (loss and every parameter gradient). The end-to-end
+step goes through the LightningModule's ``training_step`` (batch sharding at the step boundary, CP loss
+normalisation) and ``on_before_optimizer_step`` (the gradient reductions).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from dist_utils import run_distributed
 from transformers import LlamaConfig
 
+from nxd_lc.config.schema import NxdConfig
 from nxd_lc.context import (
     context_parallel_attention,
     context_parallel_loss,
@@ -22,9 +25,10 @@ from nxd_lc.context import (
     shard_batch_for_context_parallel,
     ulysses_kv_replication,
 )
-from nxd_lc.distributed import collectives, grads, parallel_state
+from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.layers.linear import shard_full_parameter
-from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
+from nxd_lc.lightning.module import NxDLanguageModel
+from nxd_lc.models.llama import LlamaForCausalLM
 
 ATOL = 1e-5
 VOCAB, B, S = 64, 2, 16
@@ -86,7 +90,8 @@ def test_shard_batch_covers_every_token_once_and_positions_follow(algo: str) -> 
         assert local.shape == (B, S) and local.dtype == batch[key].dtype
         assert torch.equal(local, batch[key][:, order]), key  # tokens, targets, RoPE positions stay aligned
     for r, shard in enumerate(shards):
-        assert shard["input_ids"].shape == (B, S // cp) and shard["meta"] == "kept" and shard["scalar"] is batch["scalar"]
+        assert shard["input_ids"].shape == (B, S // cp)
+        assert shard["meta"] == "kept" and shard["scalar"] is batch["scalar"]
         pos = local_global_positions(S, r, cp, algo)
         assert torch.equal(shard["labels"], labels[:, pos])  # no target lost at a chunk edge
     assert shard_batch_for_context_parallel(batch, 0, 1, "ring")["input_ids"] is ids
@@ -142,8 +147,8 @@ def test_context_parallel_loss_without_cp_is_the_mean() -> None:
 
 
 # ---- attention at CP > 1 (gloo) ---------------------------------------------------------------------------------
-def _attention_worker(rank: int, world: int, cases: list[dict]) -> None:
-    parallel_state.initialize_model_parallel(context_parallel_size=world)
+def _attention_checks(world: int, cases: list[dict]) -> None:
+    """Each case's CP attention (forward, dq/dk/dv) vs full attention; CP = world, parallel state initialised."""
     cp_rank = parallel_state.get_context_parallel_rank()
     for case in cases:
         torch.manual_seed(case.get("seed", 0))
@@ -181,20 +186,11 @@ _CP2_CASES = [
 ]
 
 
-@pytest.mark.distributed
-def test_cp2_ring_and_ulysses_match_full_attention() -> None:
-    run_distributed(_attention_worker, 2, _CP2_CASES)
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_cp4_ring_and_ulysses_match_full_attention() -> None:
-    cases = [
-        {"algo": "ring", "hq": 4, "hkv": 2, "segments": True},
-        {"algo": "ring", "hq": 2, "hkv": 2, "segments": False, "tile": 3},
-        {"algo": "ulysses", "hq": 4, "hkv": 2, "segments": True},  # 2 KV heads over CP 4: replicated x2
-    ]
-    run_distributed(_attention_worker, 4, cases)
+_CP4_CASES = [
+    {"algo": "ring", "hq": 4, "hkv": 2, "segments": True},
+    {"algo": "ring", "hq": 2, "hkv": 2, "segments": False, "tile": 3},
+    {"algo": "ulysses", "hq": 4, "hkv": 2, "segments": True},  # 2 KV heads over CP 4: replicated x2
+]
 
 
 # ---- end to end: tiny Llama, one step -------------------------------------------------------------------------
@@ -227,15 +223,15 @@ def _local_tensor(model: LlamaForCausalLM, name: str, full: torch.Tensor) -> tor
     return shard_full_parameter(full, param)
 
 
-def _step(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Forward + loss + backward + the LightningModule's gradient reductions; returns the logged loss."""
-    logits = model(batch["input_ids"], batch["position_ids"], batch.get("segment_ids"))
-    loss = context_parallel_loss(*causal_lm_loss(logits, batch["labels"]))
+def _step(model: LlamaForCausalLM, batch: dict[str, torch.Tensor], algo: str = "ring") -> torch.Tensor:
+    """One micro-batch through the LightningModule: ``training_step`` on the FULL batch (it shards over CP and
+    normalises the loss), backward, and its gradient reductions; returns the DP x CP mean of the step loss."""
+    cfg = NxdConfig()
+    cfg.distributed_strategy.context_parallel_algo = algo
+    module = NxDLanguageModel(cfg, model)
+    loss = module.training_step(batch, 0)
     loss.backward()
-    grads.allreduce_sequence_parallel_gradients(model)
-    grads.allreduce_kv_replica_gradients(model)
-    grads.allreduce_data_parallel_gradients([p for p in model.parameters() if p.requires_grad],
-                                            with_context_parallel=True)
+    module.on_before_optimizer_step(None)  # SP norms over TP, KV replicas, then the DP x CP mean
     group = parallel_state.get_data_parallel_group(with_context_parallel=True)
     return collectives.all_reduce(loss.detach().clone(), group, op="avg")
 
@@ -253,9 +249,8 @@ def _reference(config: LlamaConfig) -> dict[str, object]:
     return {"weights": weights, "refs": refs}
 
 
-def _e2e_worker(rank: int, world: int, tp: int, algos: list[str], config: LlamaConfig, ref: dict) -> None:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
-    cp, cp_rank = parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank()
+def _e2e_checks(tp: int, algos: list[str], config: LlamaConfig, ref: dict) -> None:
+    """One training step per algo and batch vs the single-process reference; parallel state initialised."""
     for algo in algos:
         set_context_parallel_algo(algo)
         for key, batch in _batches().items():
@@ -263,24 +258,38 @@ def _e2e_worker(rank: int, world: int, tp: int, algos: list[str], config: LlamaC
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(_local_tensor(model, name, ref["weights"][name]))
-            local = shard_batch_for_context_parallel(batch, cp_rank, cp, algo)
-            loss = _step(model, local)
+            loss = _step(model, batch, algo)
             expected = ref["refs"][key]
             msg = f"{algo} {key} tp={tp}"
             torch.testing.assert_close(loss, expected["loss"], atol=ATOL, rtol=0, msg=msg)
             for name, param in model.named_parameters():
                 want = _local_tensor(model, name, expected["grads"][name])
                 torch.testing.assert_close(param.grad, want, atol=ATOL, rtol=0, msg=f"{msg} grad {name}")
+    set_context_parallel_algo("ulysses" if algos[-1] == "ring" else "ring")
+    with pytest.raises(RuntimeError, match="set_context_parallel_algo"):  # startup call missing / inconsistent
+        _step(LlamaForCausalLM(config, sequence_parallel=tp > 1), _batches()["plain"], algos[-1])
+
+
+def _worker(rank: int, world: int, cases: list[dict], tp: int, algos: list[str], config: LlamaConfig,
+            ref: dict) -> None:
+    """Attention checks at CP = world, then the Llama step at TP = tp x CP = world / tp (one spawn for both)."""
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    _attention_checks(world, cases)
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
+    _e2e_checks(tp, algos, config, ref)
 
 
 @pytest.mark.distributed
-def test_llama_cp2_ring_and_ulysses_match_single_process() -> None:
+def test_cp2_attention_and_llama_step_match_single_process() -> None:
+    """CP=2 (2 processes): ring and Ulysses attention vs full attention; a Llama step with each vs one process."""
     config = _tiny_config()
-    run_distributed(_e2e_worker, 2, 1, ["ring", "ulysses"], config, _reference(config))
+    run_distributed(_worker, 2, _CP2_CASES, 1, ["ring", "ulysses"], config, _reference(config))
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_llama_tp2_cp2_sequence_parallel_ring_matches_single_process() -> None:
+def test_cp4_attention_and_tp2_cp2_sequence_parallel_llama_step_match_single_process() -> None:
+    """4 processes: ring/Ulysses attention at CP=4; a Llama step at TP=2 x CP=2 with SP (ring) vs one process."""
     config = _tiny_config()
-    run_distributed(_e2e_worker, 4, 2, ["ring"], config, _reference(config))
+    run_distributed(_worker, 4, _CP4_CASES, 2, ["ring"], config, _reference(config))

@@ -201,8 +201,10 @@ def test_pack_token_stream_eos_and_shift():
     assert (stats.num_documents, stats.num_tokens, stats.num_samples, stats.dropped_tokens) == (3, 9, 2, 2)
     raw, _ = packing.pack_token_stream([[1, 2], [3, 4, 5]], seq_length=2, eos_id=None)
     np.testing.assert_array_equal(raw, [[1, 2, 3], [3, 4, 5]])
-    batch = collate_packed([samples[0], samples[1]])
-    assert all(v.dtype == torch.long and v.shape == (2, 3) for v in batch.values())
+    batch = collate_packed([samples[0], samples[1]], cross_document_attention=True)
+    assert all(batch[k].dtype == torch.long and batch[k].shape == (2, 3) for k in ("input_ids", "labels",
+                                                                                   "position_ids"))
+    assert batch["segment_ids"].dtype == torch.int32 and not batch["segment_ids"].any()
     torch.testing.assert_close(batch["labels"][:, :-1], batch["input_ids"][:, 1:])
     torch.testing.assert_close(batch["position_ids"], torch.tensor([[0, 1, 2], [0, 1, 2]]))
 
@@ -291,9 +293,13 @@ def test_datamodule_batches_and_state_dict_round_trip(tmp_path):
     assert dm.eos_token_id == dm.tokenizer.eos_token_id and len(dm.tokenizer) <= 300
     batches = [b for _, b in zip(range(6), dm.train_dataloader())]
     b0 = batches[0]
-    assert set(b0) == {"input_ids", "labels", "position_ids"}
-    assert all(v.shape == (2, 16) and v.dtype == torch.long for v in b0.values())
-    torch.testing.assert_close(b0["labels"][:, :-1], b0["input_ids"][:, 1:])
+    assert set(b0) == {"input_ids", "labels", "position_ids", "segment_ids"}
+    assert all(v.shape == (2, 16) for v in b0.values()) and b0["segment_ids"].dtype == torch.int32
+    assert all(b0[k].dtype == torch.long for k in ("input_ids", "labels", "position_ids"))
+    # labels are the next tokens, except at a document-ending EOS (document masking: -100 there)
+    not_eos = b0["input_ids"][:, :-1] != dm.eos_token_id
+    torch.testing.assert_close(b0["labels"][:, :-1][not_eos], b0["input_ids"][:, 1:][not_eos])
+    assert (b0["labels"][:, :-1][~not_eos] == -100).all()
     val = list(dm.val_dataloader())
     assert val and val[0]["input_ids"].shape == (2, 16)
     train_rows = {tuple(r) for r in np.load(dm.train_dataset._path)}

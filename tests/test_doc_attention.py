@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig
 
-from nxd_lc.data.datamodule import collate_packed
+from nxd_lc.config.schema import DataConfig, TokenizerConfig
+from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.packing import pack_token_stream, packed_document_ids
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
@@ -82,6 +83,30 @@ def test_collate_cross_document_flag_and_eos_labels() -> None:
     assert bool((causal["labels"][:, :-1] == causal["input_ids"][:, 1:]).all())
     plain = collate_packed([np.arange(S + 1)], eos_id=None)  # no separator known: one document per row
     assert plain["position_ids"].tolist() == [list(range(S))] and not plain["segment_ids"].any()
+
+
+@pytest.mark.parametrize("cross_document_attention", [False, True])
+def test_datamodule_batches_follow_the_config_flag(tmp_path, cross_document_attention: bool) -> None:
+    for i in range(6):
+        (tmp_path / "corpus").mkdir(exist_ok=True)
+        (tmp_path / "corpus" / f"f{i}.txt").write_text(f"doc {i} " + "words and more words " * (i + 1))
+    cfg = DataConfig(micro_batch_size=2, global_batch_size=2, train_dir=str(tmp_path / "corpus"), val_fraction=0.0,
+                     cross_document_attention=cross_document_attention,
+                     tokenizer=TokenizerConfig(type="bytelevel_bpe", vocab_size=300, cache_dir=str(tmp_path / "c")))
+    dm = PretrainingDataModule(cfg, seq_length=32, seed=1, model_vocab_size=320, data_parallel_rank=0,
+                               data_parallel_size=1, global_batch_size=2)
+    dm.setup("fit")
+    batches = [b for _, b in zip(range(3), dm.train_dataloader())]
+    ids = torch.cat([b["input_ids"] for b in batches])
+    seg = torch.cat([b["segment_ids"] for b in batches])
+    pos = torch.cat([b["position_ids"] for b in batches])
+    assert bool((ids == dm.eos_token_id).any())
+    if cross_document_attention:
+        assert not seg.any() and pos.tolist() == [list(range(32))] * len(ids)
+    else:
+        expected_pos, expected_seg = packed_document_ids(ids, dm.eos_token_id)
+        assert seg.tolist() == expected_seg.tolist() and pos.tolist() == expected_pos.tolist()
+        assert bool(seg.any())
 
 
 # ---- core attention ------------------------------------------------------------------------------------------
@@ -227,8 +252,9 @@ def test_flash_path_allocates_no_seq_by_seq_tensor(documents: bool) -> None:
     rec = _attention_largest(seq, True, seg if documents else None)
     assert rec.largest <= 4 * seq * 16, rec.largest  # q/out-sized at most: 1/64 of S*S
     assert rec.largest < seq * seq // 16
-    if torch.backends.cpu.get_cpu_capability() is not None:
-        assert "aten._scaled_dot_product_flash_attention_for_cpu" in rec.ops, sorted(rec.ops)
+    flash_ops = {"aten._scaled_dot_product_flash_attention_for_cpu",
+                 "aten._scaled_dot_product_flash_attention_for_cpu_backward"}
+    assert flash_ops <= rec.ops, sorted(rec.ops)  # torch's flash kernel, forward and backward
     # the recorder does see the eager reference's [B, H, S, S] scores
     small = 256
     eager = _attention_largest(small, False, seg[:, :small] if documents else None)
@@ -265,6 +291,7 @@ def _tp_worker(rank: int, world: int, batch: dict[str, torch.Tensor], refs: dict
 
 
 @pytest.mark.distributed
+@pytest.mark.slow
 def test_tp2_sequence_parallel_packed_batch_equals_single_process() -> None:
     batch = _packed_batch(cross_document_attention=False)
     refs = {}

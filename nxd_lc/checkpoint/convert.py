@@ -191,15 +191,27 @@ def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
     return tp
 
 
-def build_model(cfg: NxdConfig) -> torch.nn.Module:
-    """The run's decoder, sharded for this rank's TP coordinate, with fresh weights (``hf_weights_dir`` not read).
+def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Module:
+    """The run's decoder, sharded for this rank's TP coordinate (``parallel_state`` must be initialised).
 
-    Uses the training job's own builder so that the model matches the one that wrote the checkpoint.
+    Uses the training job's own builder so that the model matches the one that wrote the checkpoint. With
+    ``load_weights`` it also loads ``model.hf_weights_dir`` (this rank's shard), else the weights are fresh.
+
+    Raises:
+        RuntimeError: the builder did not apply ``model.hf_config_overrides.rope_scaling`` (a rope_type other
+            than the configured one would silently change the model).
     """
     from nxd_lc.train import _build_model
 
-    model_cfg = dataclasses.replace(cfg.model, hf_weights_dir=None)
-    _, model = _build_model(dataclasses.replace(cfg, model=model_cfg))
+    if not load_weights:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=None))
+    _, model = _build_model(cfg)
+    rope = (cfg.model.hf_config_overrides or {}).get("rope_scaling")
+    wanted = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    built = model.rotary_emb.spec.rope_type
+    if wanted is not None and built != wanted:
+        raise RuntimeError(f"model.hf_config_overrides.rope_scaling.rope_type is {wanted!r} but the model was "
+                           f"built with rope_type {built!r}: nxd_lc.train._build_model ignores hf_config_overrides")
     return model
 
 
@@ -225,3 +237,159 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
         raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)} does not match the model of the config "
                          f"(model.model_config, hf_config_overrides, fuse_qkv, qkv_linear, kv_replicator must "
                          f"be those of the run that saved it): {e}") from e
+
+
+def load_run_tokenizer(cfg: NxdConfig) -> Any:
+    """The tokenizer the run trained with (``data.tokenizer``: an HF directory, or the cached byte-level BPE of
+    its corpus, trained now if the cache is missing).
+
+    Raises:
+        ValueError: as :func:`nxd_lc.data.tokenizer.load_tokenizer` (names ``data.tokenizer.type``).
+    """
+    from nxd_lc.data.datamodule import PretrainingDataModule
+    from nxd_lc.data.sources import iter_documents
+    from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer
+
+    d = cfg.data
+    dm = PretrainingDataModule(d, seq_length=1, seed=cfg.seed, model_vocab_size=1, data_parallel_rank=0,
+                               data_parallel_size=1, global_batch_size=d.micro_batch_size)
+    train_src, _ = dm._sources()  # the same (train split) source the run fingerprinted its BPE with
+    texts = None if train_src.pretokenized else (lambda: iter_documents(train_src))
+    return load_tokenizer(d.tokenizer, texts, d.tokenizer.cache_dir or DEFAULT_CACHE_DIR,
+                          corpus_fingerprint=train_src.fingerprint(), is_builder=True)
+
+
+def _check_output(output: str, overwrite: bool) -> None:
+    if os.path.isfile(output):
+        raise ValueError(f"--output: {output} is a file; give a directory path")
+    if os.path.isdir(output) and os.listdir(output) and not overwrite:
+        raise ValueError(f"--output: {output} exists and is not empty; pass --overwrite true to replace it")
+
+
+def _publish(staging: str, output: str) -> None:
+    """Rank 0: move ``staging`` to ``output``, replacing an existing ``output`` only once staging is complete."""
+    trash = None
+    if os.path.lexists(output):
+        trash = f"{output}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(output, trash)
+    os.replace(staging, output)
+    if trash is not None:
+        shutil.rmtree(trash, ignore_errors=True)
+
+
+def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dtype: torch.dtype | None = None,
+                             overwrite: bool = False, use_xser: bool | None = None,
+                             save_tokenizer: bool = True) -> str:
+    """Write checkpoint ``checkpoint`` of the run ``cfg`` as an HF model directory ``output``.
+
+    Collective: every rank of the default process group calls it (a group of one, or no group, for TP = 1).
+    World size must equal the checkpoint's TP size. Initialises ``parallel_state`` (TP = the checkpoint's, CP =
+    PP = 1) when it is not initialised, and tears it down again afterwards.
+
+    Args:
+        cfg: the validated config of the run that wrote the checkpoint (its model, ``hf_config_overrides``
+            included, and its tokenizer).
+        checkpoint: ``<root>/<tag>`` or a checkpoint root (newest complete tag).
+        output: HF directory to create (``model.safetensors``, ``config.json``, tokenizer files,
+            ``nxd_lc_conversion.json``).
+        dtype: dtype of the saved tensors (default: the parameters' dtype).
+        overwrite: replace an existing non-empty ``output``.
+        use_xser: checkpoint format, None = auto-detect.
+        save_tokenizer: also save the run's tokenizer (:func:`load_run_tokenizer`).
+
+    Returns:
+        The absolute output directory.
+
+    Raises:
+        FileNotFoundError: missing / incomplete checkpoint, missing shard.
+        ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
+            shard that does not fit the config's model.
+    """
+    from nxd_lc.distributed import collectives
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.models.llama.hf_adapter import save_hf_weights
+
+    root, tag = resolve_checkpoint(checkpoint)
+    tag_dir = os.path.join(root, tag)
+    tp = check_layout(cfg, tag_dir, collectives.get_global_world_size())
+    output = os.path.abspath(output)
+    _check_output(output, overwrite)
+    own_state = not ps.model_parallel_is_initialized()
+    if own_state:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
+    elif ps.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"parallel_state has TP size {ps.get_tensor_model_parallel_world_size()} but checkpoint "
+                         f"{tag_dir} has TP size {tp}")
+    try:
+        rank0 = collectives.get_global_rank() == 0
+        model = build_model(cfg)
+        load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser)
+        tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None
+        parent, name = os.path.split(output)
+        staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+        if rank0:
+            os.makedirs(parent, exist_ok=True)
+        save_hf_weights(model, staging, dtype=dtype)  # collective; rank 0 writes
+        if rank0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            _write_provenance(staging, tag_dir, tp, cfg)
+            _publish(staging, output)
+        collectives.barrier()
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+    return output
+
+
+def _write_provenance(directory: str, tag_dir: str, tp: int, cfg: NxdConfig) -> None:
+    done: Any = None
+    try:
+        done = json.loads(Path(tag_dir, sharded.DONE_FILE).read_text())
+    except (OSError, ValueError):
+        pass
+    record = {"source_checkpoint": tag_dir, "step": done.get("step") if isinstance(done, dict) else None,
+              "tensor_model_parallel_size": tp, "run_name": cfg.name, "model_config": cfg.model.model_config,
+              "hf_config_overrides": cfg.model.hf_config_overrides, "converter": "nxd_lc.checkpoint.convert"}
+    Path(directory, PROVENANCE_FILE).write_text(json.dumps(record, indent=2, default=str))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point (module docstring). Returns 0, or 2 after printing a config/input error."""
+    import torch.distributed as dist
+
+    from nxd_lc.config.validate import ConfigError
+    from nxd_lc.runtime.device import init_distributed, launched_world_size
+
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"overrides must be key=value, got {bad}")
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
+    created_group = False
+    try:
+        cfg = compose_run_config(args.config_name, args.config_dir, args.overrides)
+        root, tag = resolve_checkpoint(args.checkpoint)  # cheap checks before any process group exists
+        check_layout(cfg, os.path.join(root, tag), launched_world_size())
+        _check_output(os.path.abspath(args.output), args.overwrite)
+        created_group = not dist.is_initialized()
+        init_distributed("cpu")
+        out = convert_checkpoint_to_hf(cfg, os.path.join(root, tag), args.output,
+                                       dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
+                                       use_xser=args.load_xser, save_tokenizer=args.save_tokenizer)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote HF model {out} from checkpoint {os.path.join(root, tag)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

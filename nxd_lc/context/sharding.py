@@ -25,7 +25,13 @@ import torch
 
 from nxd_lc.distributed import collectives, parallel_state
 
-__all__ = ["CP_ALGOS", "context_parallel_loss", "local_chunk_ranges", "local_global_positions", "shard_batch_for_context_parallel"]
+__all__ = [
+    "CP_ALGOS",
+    "context_parallel_loss",
+    "local_chunk_ranges",
+    "local_global_positions",
+    "shard_batch_for_context_parallel",
+]
 
 CP_ALGOS = ("ring", "ulysses")
 

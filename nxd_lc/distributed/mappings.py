@@ -18,6 +18,9 @@ last dim (features) and the sequence-parallel split is on dim 1 (sequence), givi
 
 (*) when ``to_model_parallel=True`` (the consumer is a TP column layer, so every rank's gradient
 is a partial sum); with ``False`` the backward just keeps the own chunk.
+
+Context parallelism adds one pair over the CP group: :func:`all_to_all_context_parallel_region`
+(all-to-all forward, the inverse all-to-all backward; Ulysses' sequence <-> head exchange).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import pytorch_lightning as pl
 import torch
 
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.context.sharding import context_parallel_loss, shard_batch_for_context_parallel
+from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, shard_batch_for_context_parallel
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.optim import build_optimizer, build_scheduler
@@ -78,6 +78,11 @@ class NxDLanguageModel(pl.LightningModule):
             positions = torch.arange(ids.shape[1], device=ids.device).unsqueeze(0).expand_as(ids)
             batch = {**batch, "position_ids": positions}
         algo = self.cfg.distributed_strategy.context_parallel_algo
+        if algo != get_context_parallel_algo():
+            raise RuntimeError(
+                f"distributed_strategy.context_parallel_algo is {algo!r} but the attention uses "
+                f"{get_context_parallel_algo()!r}: call nxd_lc.context.set_context_parallel_algo(...) at startup"
+            )
         return shard_batch_for_context_parallel(batch, ps.get_context_parallel_rank(), cp, algo)
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -13,7 +13,8 @@ Dispatch (all in :func:`core_attention`, in this order):
 
 1. Context parallel (``parallel_state.get_context_parallel_world_size() > 1``): the sequence is sharded over
    the CP group; :func:`nxd_lc.context.attention.context_parallel_attention` (ring / Ulysses) receives the
-   un-expanded ``k``/``v`` (``Hkv`` heads) and the local ``segment_ids`` shard.
+   un-expanded ``k``/``v`` (``Hkv`` heads), the local ``segment_ids`` shard and ``flash_attention`` (Ulysses'
+   local kernel).
 2. ``flash_attention=True``: :func:`torch.nn.functional.scaled_dot_product_attention` with ``is_causal=True``
    and no ``attn_mask``, so torch takes its flash kernel on CPU and CUDA and no ``S x S`` tensor exists.
    Document masking (packed documents attend only within themselves, as ProLong, Gao et al. 2024,
@@ -164,7 +165,8 @@ def core_attention(
                              "distributed_strategy.context_parallel_size > 1")
         from nxd_lc.context.attention import context_parallel_attention
 
-        return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale)
+        return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale,
+                                          flash_attention=flash_attention)
     k, v = repeat_kv(k, num_rep), repeat_kv(v, num_rep)
     if not flash_attention:
         return _eager_attention(q, k, v, scale, causal, segment_ids)

@@ -154,7 +154,8 @@ def rope_scaling_problems(rope_scaling: Any, key: str = "model.hf_config_overrid
     elif rope_type is not None:
         strict_required, hf_required, optional = _TYPE_FIELDS[rope_type]
         required = strict_required if strict else hf_required
-        missing = [name for name in required if fields.get(name) is None]
+        # strict: a null value counts as missing; HF's rules only need the key (yarn derives a null factor)
+        missing = [name for name in required if (fields.get(name) is None if strict else name not in fields)]
         if missing:
             problems.append(_missing_problem(key, rope_type, required, missing, strict))
         allowed = set(_COMMON_FIELDS) | set(strict_required) | set(optional)
