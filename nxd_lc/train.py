@@ -60,13 +60,16 @@ def dry_run(cfg: NxdConfig) -> str:
 
 def _build_model(cfg: NxdConfig) -> Any:
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
+    from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
 
     m, ds = cfg.model, cfg.distributed_strategy
     overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
                  "max_position_embeddings": m.max_position_embeddings, "encoder_seq_length": m.encoder_seq_length}
-    hf_config = build_llama_config(resolve_path(m.model_config or ""), {k: v for k, v in overrides.items()
-                                                                        if v is not None})
+    hf_config = build_llama_config(resolve_path(m.model_config or ""),
+                                   {k: v for k, v in overrides.items() if v is not None},
+                                   hf_config_overrides=m.hf_config_overrides)
+    warn_if_rope_scaling_is_noop(hf_config, seq_length(cfg) or 0)
     model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
                              fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
                              flash_attention=m.fusions.flash_attention,

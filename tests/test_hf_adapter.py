@@ -137,9 +137,9 @@ def test_build_llama_config_overrides_and_errors(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="heads.json is not a valid Llama config"):
         build_llama_config(str(tmp_path / "heads.json"))
     yarn = json.loads((CONF / "tiny_llama_config.json").read_text())
-    yarn["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    yarn["rope_scaling"] = {"rope_type": "ntk", "factor": 4.0}
     (tmp_path / "yarn.json").write_text(json.dumps(yarn))
-    with pytest.raises(ValueError, match="not supported yet: rope_scaling.rope_type=yarn"):
+    with pytest.raises(ValueError, match="rope_type: 'ntk' is not supported"):
         build_llama_config(str(tmp_path / "yarn.json"))
 
 

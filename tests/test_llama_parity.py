@@ -133,8 +133,8 @@ def test_llama3_and_linear_rope_match_hf() -> None:
         ref_cos, ref_sin = LlamaRotaryEmbedding(cfg)(torch.zeros(1, dtype=torch.float32), pos)
         torch.testing.assert_close(cos, ref_cos, atol=1e-6, rtol=0)
         torch.testing.assert_close(sin, ref_sin, atol=1e-6, rtol=0)
-    with pytest.raises(ValueError, match="not supported yet: rope_scaling.rope_type=yarn"):
-        rope_spec_from_config(_tiny_config(rope_scaling={"rope_type": "yarn", "factor": 2.0}))
+    with pytest.raises(ValueError, match="rope_type: 'ntk' is not supported"):
+        rope_spec_from_config(_tiny_config(rope_scaling={"rope_type": "ntk", "factor": 2.0}))
 
 
 def _gather_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -251,7 +251,7 @@ def _measure(model: LlamaForCausalLM, batch: dict[str, torch.Tensor]) -> _LiveBy
 def test_memory_effect_of_each_technique() -> None:
     """Tiled CE never holds a [L, V] tensor; tiled MLP never a [L, 2I] one; checkpointing lowers the peak."""
     tokens, batch = 256, _batch(vocab=2048, b=1, s=256)
-    big_vocab = _config(vocab_size=2048, intermediate_size=64, num_hidden_layers=3)
+    big_vocab = _config(vocab_size=2048, intermediate_size=64, num_hidden_layers=2)
     plain = _measure(_model(big_vocab), batch)
     logits_bytes = tokens * 2048 * 4
     assert plain.largest >= logits_bytes
@@ -259,11 +259,11 @@ def test_memory_effect_of_each_technique() -> None:
     assert tiled_ce.largest < logits_bytes / 4
     assert tiled_ce.peak < plain.peak - logits_bytes
     mlp_act = tokens * 2 * 512 * 4  # [L, 2I] gate/up output
-    small_vocab = _config(intermediate_size=512, num_hidden_layers=3)
+    small_vocab = _config(intermediate_size=512, num_hidden_layers=2)
     base = _measure(_model(small_vocab), _batch(b=1, s=256))
     tiled_mlp = _measure(_model(small_vocab, tiled_mlp_chunk_size=32), _batch(b=1, s=256))
     assert base.largest >= mlp_act and tiled_mlp.largest < mlp_act / 4
-    assert tiled_mlp.peak < base.peak - 2 * mlp_act  # 3 layers' gate/up/silu activations are not kept
+    assert tiled_mlp.peak < base.peak - mlp_act  # 2 layers' gate/up/silu activations are not kept
     full = _measure(_model(small_vocab, activations_checkpoint_granularity="full"), _batch(b=1, s=256))
     selective = _measure(_model(small_vocab, activations_checkpoint_granularity="selective",
                                 activations_checkpoint_recompute=["LlamaMLP"]), _batch(b=1, s=256))
@@ -272,8 +272,8 @@ def test_memory_effect_of_each_technique() -> None:
     eager = _measure(_model(small_vocab, flash_attention=False), _batch(b=1, s=256))
     eager_sel = _measure(_model(small_vocab, flash_attention=False, activations_checkpoint_granularity="selective",
                                 activations_checkpoint_recompute=["CoreAttention"]), _batch(b=1, s=256))
-    assert eager_sel.peak < eager.peak - 3 * 4 * 256 * 256 * 4  # 3 layers x 4 heads x S x S fp32 scores
-    config = _config(vocab_size=2048, intermediate_size=512, num_hidden_layers=3)
+    assert eager_sel.peak < eager.peak - 4 * 256 * 256 * 4  # >= one layer's [1, 4 heads, S, S] fp32 scores
+    config = _config(vocab_size=2048, intermediate_size=512, num_hidden_layers=2)
     everything = _measure(_model(config), batch)
     combined = _measure(_model(config, tiled_loss_chunk_size=32, tiled_mlp_chunk_size=32,
                                activations_checkpoint_granularity="full"), batch)

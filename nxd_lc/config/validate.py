@@ -307,6 +307,13 @@ def _context_parallel_problems(cfg: NxdConfig) -> list[str]:
 def _memory_problems(cfg: NxdConfig) -> list[str]:
     p: list[str] = []
     m = cfg.model
+    overrides = m.hf_config_overrides or {}
+    if not isinstance(overrides, Mapping):
+        p.append("model.hf_config_overrides: must be a mapping of config.json keys to values")
+    elif isinstance(overrides.get("rope_scaling"), Mapping):
+        from nxd_lc.models.common.rope import rope_scaling_problems
+
+        p.extend(rope_scaling_problems(dict(overrides["rope_scaling"])))
     for key in ("tiled_loss_chunk_size", "tiled_mlp_chunk_size"):
         v = getattr(m, key)
         if v is not None and v < 1:

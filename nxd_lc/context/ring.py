@@ -11,7 +11,9 @@ arXiv:2307.08691). Rank ``r`` holds chunks ``r`` and ``2cp-1-r`` of ``2cp`` (Meg
 K/V blocks (with their segment ids) travel around the CP ring: at step ``i`` rank ``r`` holds the block of rank
 ``(r - i) mod cp``, while the next block is already in flight (:func:`collectives.ring_exchange`). Each local
 query tile meets each key tile of the visiting block; the mask is causal on *global* positions (derived from
-the chunk layout, so whole tiles are skipped or left unmasked without looking at data) AND same segment.
+the chunk layout, so whole tiles are skipped or left unmasked without looking at data) AND same segment
+(per-tile segment bounds, read on the host once per block, skip tile pairs that share no document and drop the
+segment mask where both tiles lie in one document, so packed short documents cost about sum(len_doc^2)).
 Partial results merge by their log-sum-exp in fp32 (online softmax)::
 
     lse = logaddexp(lse_a, lse_b);  out = out_a * exp(lse_a - lse) + out_b * exp(lse_b - lse)
@@ -62,22 +64,50 @@ def _tiles(seq_len: int, cp_rank: int, cp_size: int, tile_size: int) -> list[_Ti
     return tiles
 
 
-def _tile_mask(qt: _Tile, kt: _Tile, seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
-               device: torch.device) -> tuple[bool, torch.Tensor | None]:
-    """(skip, mask) for a query/key tile pair; mask is bool, broadcastable to ``[B, Hkv, G, Tq, Tk]``
-    (True = attend) or None when every pair is allowed. ``skip`` when every key is after every query."""
+@dataclass(frozen=True)
+class _Segments:
+    """Segment ids of one side (queries or a visiting K/V block) with per-tile, per-row min/max on the host."""
+
+    ids: torch.Tensor  # [B, L] integer
+    lo: list[list[int]]  # lo[tile][b] = min segment id of row b in the tile
+    hi: list[list[int]]  # hi[tile][b] = max segment id of row b in the tile
+
+
+def _segments(seg: torch.Tensor | None, tiles: list[_Tile]) -> _Segments | None:
+    """Tile bounds of ``seg`` (one device -> host copy per call; None without segment ids)."""
+    if seg is None:
+        return None
+    host = seg.detach().to("cpu")
+    parts = [host[:, t.local:t.local + t.length] for t in tiles]
+    return _Segments(seg, [p.amin(dim=1).tolist() for p in parts], [p.amax(dim=1).tolist() for p in parts])
+
+
+def _tile_mask(qi: int, ki: int, q_tiles: list[_Tile], k_tiles: list[_Tile], seg_q: _Segments | None,
+               seg_k: _Segments | None, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    """(skip, mask) for query tile ``qi`` and key tile ``ki``; mask is bool, broadcastable to
+    ``[B, Hkv, G, Tq, Tk]`` (True = attend), or None when every pair is allowed.
+
+    Decided on the host: skip when every key is after every query, or (document masking) when in every row the
+    tiles share no segment (max key segment < min query segment or the reverse); no segment mask when every row
+    of both tiles is one and the same segment; no causal mask when every key precedes every query.
+    """
+    qt, kt = q_tiles[qi], k_tiles[ki]
     if kt.glob > qt.glob + qt.length - 1:
         return True, None
     mask = None
+    if seg_q is not None and seg_k is not None:
+        qlo, qhi, klo, khi = seg_q.lo[qi], seg_q.hi[qi], seg_k.lo[ki], seg_k.hi[ki]
+        if all(kh < ql or kl > qh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
+            return True, None
+        if not all(ql == qh == kl == kh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
+            sq = seg_q.ids[:, qt.local:qt.local + qt.length]
+            sk = seg_k.ids[:, kt.local:kt.local + kt.length]
+            mask = (sq[:, :, None] == sk[:, None, :])[:, None, None]  # [B, 1, 1, Tq, Tk]
     if kt.glob + kt.length - 1 > qt.glob:  # the tiles overlap in position: causal mask needed
         qpos = torch.arange(qt.glob, qt.glob + qt.length, device=device)
         kpos = torch.arange(kt.glob, kt.glob + kt.length, device=device)
-        mask = kpos[None, :] <= qpos[:, None]  # [Tq, Tk]
-    if seg_q is not None and seg_k is not None:
-        sq = seg_q[:, qt.local:qt.local + qt.length]
-        sk = seg_k[:, kt.local:kt.local + kt.length]
-        same = (sq[:, :, None] == sk[:, None, :])[:, None, None]  # [B, 1, 1, Tq, Tk]
-        mask = same if mask is None else mask & same
+        causal = kpos[None, :] <= qpos[:, None]  # [Tq, Tk]
+        mask = causal if mask is None else mask & causal
     return False, mask
 
 
@@ -102,30 +132,33 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_tiles: list[_Tile],
-                   k_tiles: list[_Tile], seg_q: torch.Tensor | None, seg_k: torch.Tensor | None,
+                   k_tiles: list[_Tile], seg_q: _Segments | None, seg_k: _Segments | None,
                    out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
     """Fold one K/V block into the running (out, lse) in place.
 
     q/out ``[B, Hkv, G, L, D]`` fp32, lse ``[B, Hkv, G, L]`` fp32, k/v ``[B, Hkv, L, D]`` fp32.
     """
-    for qt in q_tiles:
+    for qi, qt in enumerate(q_tiles):
         qs = slice(qt.local, qt.local + qt.length)
         o_acc, l_acc = out[..., qs, :], lse[..., qs]
-        for kt in k_tiles:
-            skip, mask = _tile_mask(qt, kt, seg_q, seg_k, q.device)
+        for ki, kt in enumerate(k_tiles):
+            skip, mask = _tile_mask(qi, ki, q_tiles, k_tiles, seg_q, seg_k, q.device)
             if skip:
                 continue
             ks = slice(kt.local, kt.local + kt.length)
             s = _scores(q[..., qs, :], k[..., ks, :], mask, scale)
-            l_b = torch.logsumexp(s, dim=-1)
-            o_b = torch.matmul(torch.exp(s - _finite(l_b).unsqueeze(-1)), v[..., ks, :].unsqueeze(2))
+            m = _finite(s.amax(dim=-1, keepdim=True))  # row max, 0 for fully masked rows
+            p = s.sub_(m).exp_()  # in place: one exp per score
+            denom = p.sum(dim=-1, keepdim=True)
+            o_b = torch.matmul(p, v[..., ks, :].unsqueeze(2)) / torch.where(denom == 0, 1.0, denom)
+            l_b = (torch.log(denom) + m).squeeze(-1)  # log-sum-exp of the tile; -inf for fully masked rows
             o_acc, l_acc = _merge(o_acc, l_acc, o_b, l_b)
         out[..., qs, :], lse[..., qs] = o_acc, l_acc
 
 
 def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                     lse: torch.Tensor, delta: torch.Tensor, q_tiles: list[_Tile], k_tiles: list[_Tile],
-                    seg_q: torch.Tensor | None, seg_k: torch.Tensor | None, dq: torch.Tensor,
+                    seg_q: _Segments | None, seg_k: _Segments | None, dq: torch.Tensor,
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient contributions of one K/V block: adds into ``dq`` in place, returns this block's (dK, dV).
 
@@ -133,17 +166,17 @@ def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
     all fp32. Formulas: FlashAttention-2 backward (Dao 2023, Algorithm 2).
     """
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    for qt in q_tiles:
+    for qi, qt in enumerate(q_tiles):
         qs = slice(qt.local, qt.local + qt.length)
         q_t, do_t = q[..., qs, :], dout[..., qs, :]
-        for kt in k_tiles:
-            skip, mask = _tile_mask(qt, kt, seg_q, seg_k, q.device)
+        for ki, kt in enumerate(k_tiles):
+            skip, mask = _tile_mask(qi, ki, q_tiles, k_tiles, seg_q, seg_k, q.device)
             if skip:
                 continue
             ks = slice(kt.local, kt.local + kt.length)
             k_t, v_t = k[..., ks, :].unsqueeze(2), v[..., ks, :].unsqueeze(2)  # [B, Hkv, 1, Tk, D]
-            p = torch.exp(_scores(q_t, k[..., ks, :], mask, scale) - _finite(lse[..., qs]).unsqueeze(-1))
-            ds = p * (torch.matmul(do_t, v_t.transpose(-1, -2)) - delta[..., qs].unsqueeze(-1))
+            p = _scores(q_t, k[..., ks, :], mask, scale).sub_(_finite(lse[..., qs]).unsqueeze(-1)).exp_()
+            ds = torch.matmul(do_t, v_t.transpose(-1, -2)).sub_(delta[..., qs].unsqueeze(-1)).mul_(p)
             dq[..., qs, :] += torch.matmul(ds, k_t) * scale
             dk[..., ks, :] += torch.matmul(ds.transpose(-1, -2), q_t).sum(2) * scale
             dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), do_t).sum(2)
@@ -171,12 +204,13 @@ class _RingAttention(torch.autograd.Function):
         out = torch.zeros_like(qf)
         lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
         block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
+        seg_q = _segments(seg, q_tiles)
         for step in range(cp):
             src = (rank - step) % cp
             pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
-            seg_k = block[2] if seg is not None else None
-            _block_forward(qf, block[0], block[1], q_tiles, _tiles(seq_len, src, cp, tile), seg, seg_k, out, lse,
-                           scale)
+            k_tiles = _tiles(seq_len, src, cp, tile)
+            seg_k = _segments(block[2] if seg is not None else None, k_tiles)
+            _block_forward(qf, block[0], block[1], q_tiles, k_tiles, seg_q, seg_k, out, lse, scale)
             if pending is not None:
                 block = pending.wait()
         result = out.reshape(b, hq, n, d).to(q.dtype)
@@ -197,12 +231,14 @@ class _RingAttention(torch.autograd.Function):
         dq = torch.zeros_like(qf)
         block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
         incoming = None  # in-flight dK/dV accumulators of the block this rank handles next
+        seg_q = _segments(seg, q_tiles)
         for step in range(cp):
             src = (rank - step) % cp
             pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
-            seg_k = block[2] if seg is not None else None
-            dk, dv = _block_backward(qf, block[0], block[1], dof, lse, delta, q_tiles,
-                                     _tiles(seq_len, src, cp, ctx.tile), seg, seg_k, dq, ctx.scale)
+            k_tiles = _tiles(seq_len, src, cp, ctx.tile)
+            seg_k = _segments(block[2] if seg is not None else None, k_tiles)
+            dk, dv = _block_backward(qf, block[0], block[1], dof, lse, delta, q_tiles, k_tiles, seg_q, seg_k, dq,
+                                     ctx.scale)
             if incoming is not None:
                 dk_in, dv_in = incoming.wait()
                 dk, dv = dk + dk_in, dv + dv_in

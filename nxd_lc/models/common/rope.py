@@ -306,7 +306,7 @@ def _yarn_inv_freq(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Te
     low, high = _yarn_correction_range(spec, orig)
     if low == high:
         high += 0.001  # avoid a zero-width ramp (as HF)
-    ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # weight of the unscaled (extrapolated) frequency
     return interpolation * (1 - keep) + extrapolation * keep, _yarn_attention_factor(spec, factor)
 
@@ -347,7 +347,7 @@ def _longrope_inv_freq(spec: RopeSpec, seq_len: int | None = None) -> tuple[torc
     if scaling is None:
         scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     use_long = bool(seq_len) and seq_len > orig
-    ext = torch.tensor(spec.require("long_factor" if use_long else "short_factor"), dtype=torch.float32)
+    ext = torch.tensor(spec.require("long_factor" if use_long else "short_factor"), dtype=torch.float32, device="cpu")
     return 1.0 / (ext * spec.rope_theta ** _exponents(spec)), float(scaling)
 
 
@@ -401,7 +401,7 @@ def rope_spec_from_config(config: Any, key: str = "rope_scaling") -> RopeSpec:
         raw["original_max_position_embeddings"] = int(config.max_position_embeddings)
     problems = rope_scaling_problems({"rope_type": rope_type, "rope_theta": theta, **raw}, key,
                                      head_dim=int(head_dim), strict=False)
-    raise_on_problems(problems, "the model's rope_scaling")
+    raise_on_problems(problems, "rope_scaling in the model config")
     return RopeSpec(head_dim=int(head_dim), rope_theta=float(theta), rope_type=rope_type,
                     max_position_embeddings=int(config.max_position_embeddings), params=raw)
 
