@@ -19,7 +19,7 @@ from __future__ import annotations
 import statistics
 from typing import Any
 
-from benchmarks.report import GIB, calibrated_max_len, linear_fit, loglog_slope, markdown_table, step_flops
+from benchmarks.report import GIB, calibrated_max_len, fmt_len, linear_fit, loglog_slope, markdown_table, step_flops
 
 __all__ = ["analyse"]
 
@@ -141,22 +141,22 @@ def _markdown(result: dict[str, Any], s: dict[str, dict[str, Any]], cp: dict[str
               t: dict[str, Any]) -> str:
     cap = result["cap_bytes"] / GIB
     out = [markdown_table(_rows(result, s)), ""]
-    for impl, summ in s.items():
-        f = summ["fit_measured"]
+    for summ in s.values():
+        f, emax = summ["fit_measured"], summ["estimated_max"]
         out.append(f"- {summ['name']}: longest L under {cap:.0f} GiB = {summ['longest_fit']} "
-                   f"({summ['longest_fit_kind']}; estimate crosses the cap at ~{summ['estimated_max'].get('interpolated')}"
-                   f"{' or beyond' if summ['estimated_max'].get('beyond_grid') else ''}); "
+                   f"({summ['longest_fit_kind']}; estimate crosses the cap at ~{emax.get('interpolated')}"
+                   f"{' or beyond' if emax.get('beyond_grid') else ''}); "
                    + (f"measured slope {f['slope'] / 1024:.1f} KiB/token, R^2 {f['r2']:.4f}, "
                       f"log-log slope {summ['loglog_measured']:.3f}; " if f else "")
-                   + "measured/estimated RSS " + ", ".join(f"{k // 1024}k: {v:.3f}"
+                   + "measured/estimated RSS " + ", ".join(f"{fmt_len(k)}: {v:.3f}"
                                                            for k, v in summ["measured_over_estimated"].items()))
     out.append(f"- max-length ratio nxd_lc/transformers: {t['max_len_ratio']} (target >= 8x: "
                f"{'met' if t['max_len_ratio_target_8x_met'] else 'MISSED'}); tokens/s ratio "
-               + ", ".join(f"{k // 1024}k: {v:.2f}" for k, v in t["tok_s_ratio"].items())
+               + ", ".join(f"{fmt_len(k)}: {v:.2f}" for k, v in t["tok_s_ratio"].items())
                + f" (target >= 1.0x at 4k: {'met' if t['tok_s_4k_target_1x_met'] else 'MISSED'})")
     if cp.get("measured"):
         out.append("- CP=2 (nxd_lc, ring, 2 processes), per-process peak RSS: "
-                   + ", ".join(f"{k // 1024}k: {v['peak_rss'] / GIB:.2f} GiB ({v['tok_s']:.0f} tok/s)"
+                   + ", ".join(f"{fmt_len(k)}: {v['peak_rss'] / GIB:.2f} GiB ({v['tok_s']:.0f} tok/s)"
                                for k, v in cp["measured"].items())
                    + f"; extrapolated max L CP=2 {cp['extrapolated_max_cp2']} vs CP=1 {cp['extrapolated_max_cp1']} "
                    f"(ratio {cp['max_ratio_cp2_over_cp1']})")

@@ -4,7 +4,8 @@ Run from the repository root::
 
     .venv/bin/python -m benchmarks.long_context            # full run (~40 min on 2 cores)
     .venv/bin/python -m benchmarks.long_context --quick    # 2k-16k measured, smaller estimate grid
-    .venv/bin/python -m benchmarks.long_context --smoke    # tiny model, seconds (what the smoke test runs)
+    .venv/bin/python -m benchmarks.long_context --smoke    # tiny model, every stage, ~1 min
+    .venv/bin/python -m benchmarks.long_context --reanalyse benchmarks/results/<file>.json
 
 What one run does (see benchmarks/README.md for the method and the latest numbers):
 
@@ -64,6 +65,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nxd-opts", default="{}", help="JSON overrides of benchmarks.nxd_options.NXD_BEST")
     p.add_argument("--out", help="result JSON path (default benchmarks/results/long_context_<timestamp>.json)")
     p.add_argument("--timeout-s", type=float, default=1800.0, help="wall-clock limit per measurement")
+    p.add_argument("--reanalyse", metavar="JSON", help="recompute the analysis of a saved result file in place")
     return p
 
 
@@ -149,8 +151,9 @@ class Runner:
         point = _point(res)
         point["per_rank_peak_rss"] = [max(w, (r or {}).get("peak_rss", 0))
                                       for w, r in zip(res.watch_peak_rss, res.results)]
-        if res.status == "ok":
-            point["step_s"] = [max(r["step_s"][i] for r in res.results) for i in range(len(res.results[0]["step_s"]))]
+        if res.status == "ok":  # slowest rank's step; the loss is the mean of the ranks' (context_parallel_loss)
+            point["step_s"] = [max(steps) for steps in zip(*(r["step_s"] for r in res.results))]
+            point["losses"] = [sum(losses) / cp for losses in zip(*(r["losses"] for r in res.results))]
         return point
 
 
@@ -169,7 +172,8 @@ def _only(res: ChildResult) -> dict[str, Any]:
 def _point(res: ChildResult) -> dict[str, Any]:
     """One measured point: the worker's JSON plus the harness's status and watchdog peak."""
     base = res.results[0] if res.results and res.results[0] else {}
-    out = {**base, "status": res.status, "peak_rss": res.peak_rss(), "wall_s": res.wall_s}
+    out = {**base, "status": res.status, "peak_rss": res.peak_rss(), "wall_s": res.wall_s,
+           "loadavg_1m_after": os.getloadavg()[0]}
     if res.status not in ("ok",):
         out["log_tail"] = res.log_tail[-2000:]
     return out
@@ -230,6 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     from benchmarks.analysis import analyse
 
     args = _parser().parse_args(argv)
+    if args.reanalyse:
+        path = Path(args.reanalyse)
+        result = json.loads(path.read_text())
+        result["analysis"] = analyse(result)
+        _write(result, str(path))
+        print(result["analysis"]["markdown"])
+        return 0
     plan = _plan(args)
     if args.smoke:
         args.cap_gib = min(args.cap_gib, 4.0)

@@ -137,7 +137,8 @@ def _status_from_exit(procs: Sequence[subprocess.Popen[bytes]], results: Sequenc
 def run_children(argvs: Sequence[Sequence[str]], *, cap_bytes: int, as_headroom: int = 6 * GIB,
                  reserve_bytes: int = GIB, timeout_s: float = 1800.0, poll_s: float = 0.02,
                  envs: Sequence[dict[str, str]] | None = None, cwd: str | None = None) -> ChildResult:
-    """Launch ``python <argv...> --out <tmp.json> --as-limit <bytes>`` for each argv at once and watch them (module docstring).
+    """Launch ``python <argv...> --out <tmp.json> --as-limit <bytes>`` for each argv at once; watch them (module
+    docstring).
 
     Args:
         argvs: argument lists after ``python``, e.g. ``["-m", "benchmarks.step_worker", "run", ...]``.

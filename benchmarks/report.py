@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "fmt_len",
     "calibrated_max_len",
     "linear_fit",
     "loglog_slope",
@@ -90,6 +91,11 @@ def calibrated_max_len(points: Sequence[tuple[int, float]], cap: float) -> dict[
     return {"grid": grid, "interpolated": cross, "beyond_grid": beyond}
 
 
+def fmt_len(length: int) -> str:
+    """2048 -> '2k'; lengths that are not a multiple of 1024 stay as they are."""
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
 def _fmt(x: float | None, spec: str) -> str:
     return "—" if x is None else format(x, spec)
 
@@ -105,7 +111,7 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
             "| nxd_lc tok/s | tok/s nxd/hf | MFU hf | MFU nxd |")
     lines = [head, "|" + "---|" * 9]
     for r in rows:
-        cells = [f"{r['seq_len'] // 1024}k"]
+        cells = [fmt_len(r["seq_len"])]
         for impl in ("hf", "nxd"):
             mem, kind = r.get(f"{impl}_mem"), r.get(f"{impl}_mem_kind", "")
             cells.append(f"{_fmt(None if mem is None else mem / GIB, '.2f')} ({kind})" if kind else "—")

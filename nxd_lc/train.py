@@ -59,8 +59,9 @@ def dry_run(cfg: NxdConfig) -> str:
 
 
 def _build_model(cfg: NxdConfig) -> Any:
-    from nxd_lc.models.llama.hf_adapter import load_hf_weights
+    from nxd_lc.models.common.checkpointing import apply_memory_techniques
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
+    from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
 
     m, ds = cfg.model, cfg.distributed_strategy
@@ -76,6 +77,10 @@ def _build_model(cfg: NxdConfig) -> Any:
                              use_cpu_initialization=m.use_cpu_initialization)
     if m.hf_weights_dir:
         load_hf_weights(model, resolve_path(m.hf_weights_dir))
+    checkpointed = apply_memory_techniques(model, m)
+    if checkpointed:
+        log.info("activation checkpointing (%s): %d modules recomputed in backward",
+                 m.activations_checkpoint_granularity, len(checkpointed))
     return hf_config, model
 
 
@@ -119,6 +124,7 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
 
 
 def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
+    from nxd_lc.context import set_context_parallel_algo
     from nxd_lc.data.datamodule import PretrainingDataModule
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
@@ -132,6 +138,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
                                  context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
+    set_context_parallel_algo(ds.context_parallel_algo)
     paths = exp_manager.experiment_paths(cfg)
     exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
     if runtime.rank == 0:

@@ -89,13 +89,11 @@ def test_nxdt_8b_yaml_loads_via_hydra_compose() -> None:
     assert cfg.model.optim.name == "adamw_fp32OptState" and cfg.model.optim.betas == [0.9, 0.999]
     assert seq_length(cfg) == 8192 and cfg.distributed_strategy.kv_replicator == 4
     keys = {p.split("=")[0] for p in unsupported_features(cfg)}
-    assert keys == {"not supported yet: distributed_strategy.zero1", "not supported yet: precision.type",
-                    "not supported yet: model.activations_checkpoint_granularity"}
+    assert keys == {"not supported yet: distributed_strategy.zero1", "not supported yet: precision.type"}
 
 
 def test_nxdt_8b_yaml_supported_once_later_features_are_off() -> None:
-    raw = _compose_8b(["distributed_strategy.zero1=false", "precision.type=fp32",
-                       "model.activations_checkpoint_granularity=null"])
+    raw = _compose_8b(["distributed_strategy.zero1=false", "precision.type=fp32"])
     assert unsupported_features(load_config(raw, world_size=128)) == []
 
 
@@ -140,8 +138,9 @@ def test_check_paths_passes_for_existing_paths(tmp_path: Path) -> None:
 @pytest.mark.parametrize("override,expected", [
     ("+trainer.max_step=5", "trainer.max_step: unknown key; did you mean 'trainer.max_steps'?"),
     ("+model.hidden_sise=5", "model.hidden_sise: unknown key; did you mean 'model.hidden_size'?"),
-    ("+distributed_strategy.tensor_parallel_size=4", ("distributed_strategy.tensor_parallel_size: unknown key; "
-                                                      "did you mean 'distributed_strategy.tensor_model_parallel_size'?")),
+    ("+distributed_strategy.tensor_parallel_size=4",
+     ("distributed_strategy.tensor_parallel_size: unknown key; "
+      "did you mean 'distributed_strategy.tensor_model_parallel_size'?")),
     ("+seeed=3", "seeed: unknown key; did you mean 'seed'?"),
     ("+model.optim.sched.warmup_step=3", ("model.optim.sched.warmup_step: unknown key; "
                                           "did you mean 'model.optim.sched.warmup_steps'?")),

@@ -286,3 +286,18 @@ def test_loss_by_position_under_context_parallelism(converted: Path) -> None:
     for label, r in ref["buckets"].items():
         assert got["buckets"][label]["num_tokens"] == r["num_tokens"]
         assert got["buckets"][label]["loss"] == pytest.approx(r["loss"], rel=1e-5)
+
+
+def test_yarn_continuation_config_is_valid() -> None:
+    from nxd_lc.models.common.rope import rope_spec_from_config
+    from nxd_lc.models.llama.model import build_llama_config
+
+    cfg = convert.compose_run_config("cpu_tiny_llama_yarn_config", str(REPO / "conf"))
+    ds, rope = cfg.distributed_strategy, cfg.model.hf_config_overrides["rope_scaling"]
+    assert (ds.tensor_model_parallel_size, ds.context_parallel_size, ds.context_parallel_algo) == (1, 2, "ring")
+    assert cfg.data.seq_length == 8192 and not cfg.data.cross_document_attention
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 4 and rope["original_max_position_embeddings"] == 2048
+    hf = build_llama_config(str(REPO / cfg.model.model_config), {"max_position_embeddings": 8192},
+                            hf_config_overrides=cfg.model.hf_config_overrides)
+    spec = rope_spec_from_config(hf)
+    assert spec.rope_type == "yarn" and hf.rope_scaling["factor"] == 4

@@ -32,6 +32,7 @@ def test_dry_run_validates_nxdt_8b_config() -> None:
                      out.stdout)
     assert "not supported yet: distributed_strategy.zero1=True" in out.stdout
     assert "not supported yet: precision.type='mixed_precision'" in out.stdout
+    assert "activations_checkpoint_granularity" not in out.stdout.split("would stop with:")[-1]
 
 
 def test_config_errors_are_reported_together_with_keys() -> None:
@@ -81,7 +82,7 @@ def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     first = _run(_train_cmd(log_dir, corpus, cache, max_steps=4))
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     ckpt_root = os.path.join(log_dir, "checkpoints")
-    tags = sorted(t for t in os.listdir(ckpt_root) if not t.startswith("."))
+    tags = sorted(t for t in os.listdir(ckpt_root) if os.path.isdir(os.path.join(ckpt_root, t)))
     # save_top_k=2 by monitor=step, mode=max: the last two saves survive
     assert tags == ["cpu_tiny_llama--step=2-consumed_samples=8.0", "cpu_tiny_llama--step=4-consumed_samples=16.0"]
     last = os.path.join(ckpt_root, tags[-1])
@@ -96,5 +97,5 @@ def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     second = _run(_train_cmd(log_dir, corpus, cache, max_steps=6))
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert f"resuming from {last}" in second.stdout
-    tags = sorted(t for t in os.listdir(ckpt_root) if not t.startswith("."))
+    tags = sorted(t for t in os.listdir(ckpt_root) if os.path.isdir(os.path.join(ckpt_root, t)))
     assert tags == ["cpu_tiny_llama--step=4-consumed_samples=16.0", "cpu_tiny_llama--step=6-consumed_samples=24.0"]

@@ -293,6 +293,21 @@ def _tp_worker(rank: int, world: int) -> None:
     for label, cfg in VARIANTS:
         loss, grads = _step(_model(config, sp=True, **cfg), batch)
         _assert_same(loss, grads, plain, atol=1e-6, label=f"tp2+sp {label} vs tp2+sp plain")
+    # per-token tiled CE (recomputed chunks, collectives re-run in backward) under SP, weighted per token
+    model = _model(config, sp=True)
+    weights = torch.linspace(0.5, 1.5, B * S).view(B, S)
+    per_token = []
+    for tiled in (False, True):
+        hidden = model.hidden_states(batch["input_ids"], batch["position_ids"], batch["segment_ids"])
+        if tiled:
+            tok = tiled_cross_entropy(hidden, model.lm_head.weight, batch["labels"], chunk_size=6,
+                                      num_valid_vocab_local=model.num_valid_vocab_local)
+        else:
+            tok = parallel_cross_entropy(model.logits_from_hidden(hidden), batch["labels"])
+        per_token.append((tok.detach(), torch.autograd.grad((tok * weights).sum(), list(model.parameters()))))
+    torch.testing.assert_close(per_token[1][0], per_token[0][0], atol=1e-6, rtol=0)
+    for got, want in zip(per_token[1][1], per_token[0][1]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
     # tiled CE on the local vocab shard under SP: never [L, V/tp] logits (the plain path does hold them)
     big_vocab, batch = _config(vocab_size=2048, intermediate_size=64), _batch(vocab=2048, s=64)
     logits_local_bytes = B * 64 * 2048 // world * 4

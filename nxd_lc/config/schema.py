@@ -169,8 +169,8 @@ class ModelConfig:
     tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
     weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
-    activations_checkpoint_granularity: Optional[str] = None  # null (full/selective: long-context issue)
-    activations_checkpoint_recompute: Optional[List[str]] = None  # modules recomputed with 'selective'
+    activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
+    activations_checkpoint_recompute: Optional[List[str]] = None  # module class names recomputed with 'selective'
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -40,7 +40,7 @@ from nxd_lc.distributed import collectives, parallel_state
 
 __all__ = ["DEFAULT_TILE_SIZE", "ring_attention"]
 
-DEFAULT_TILE_SIZE = 1024  # tokens per query / key tile
+DEFAULT_TILE_SIZE = 512  # tokens per query / key tile (fastest of 256/512/1024 on CPU at 4k-8k)
 _KV_TAG, _GRAD_TAG = 0, 16  # distinct p2p tags: K/V and dK/dV exchanges can be in flight together
 
 
@@ -84,8 +84,9 @@ def _segments(seg: torch.Tensor | None, tiles: list[_Tile]) -> _Segments | None:
 
 def _tile_mask(qi: int, ki: int, q_tiles: list[_Tile], k_tiles: list[_Tile], seg_q: _Segments | None,
                seg_k: _Segments | None, device: torch.device) -> tuple[bool, torch.Tensor | None]:
-    """(skip, mask) for query tile ``qi`` and key tile ``ki``; mask is bool, broadcastable to
-    ``[B, Hkv, G, Tq, Tk]`` (True = attend), or None when every pair is allowed.
+    """(skip, mask) for query tile ``qi`` and key tile ``ki``; mask is bool, broadcastable to the scores viewed
+    as ``[B, Hkv, Tq, G, Tk]`` (True = attend: ``[Tq, 1, Tk]`` causal, ``[B, 1, Tq, 1, Tk]`` with segments), or
+    None when every pair is allowed.
 
     Decided on the host: skip when every key is after every query, or (document masking) when in every row the
     tiles share no segment (max key segment < min query segment or the reverse); no segment mask when every row
@@ -102,19 +103,23 @@ def _tile_mask(qi: int, ki: int, q_tiles: list[_Tile], k_tiles: list[_Tile], seg
         if not all(ql == qh == kl == kh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
             sq = seg_q.ids[:, qt.local:qt.local + qt.length]
             sk = seg_k.ids[:, kt.local:kt.local + kt.length]
-            mask = (sq[:, :, None] == sk[:, None, :])[:, None, None]  # [B, 1, 1, Tq, Tk]
+            mask = (sq[:, :, None] == sk[:, None, :])[:, None, :, None]  # [B, 1, Tq, 1, Tk]
     if kt.glob + kt.length - 1 > qt.glob:  # the tiles overlap in position: causal mask needed
         qpos = torch.arange(qt.glob, qt.glob + qt.length, device=device)
         kpos = torch.arange(kt.glob, kt.glob + kt.length, device=device)
-        causal = kpos[None, :] <= qpos[:, None]  # [Tq, Tk]
+        causal = (kpos[None, :] <= qpos[:, None])[:, None]  # [Tq, 1, Tk]
         mask = causal if mask is None else mask & causal
     return False, mask
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float) -> torch.Tensor:
-    """fp32 scores ``[B, Hkv, G, Tq, Tk]`` of grouped q ``[B, Hkv, G, Tq, D]`` and k ``[B, Hkv, Tk, D]``."""
-    s = torch.matmul(q, k.unsqueeze(2).transpose(-1, -2)) * scale
-    return s if mask is None else s.masked_fill(~mask, float("-inf"))
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None, scale: float, group: int) -> torch.Tensor:
+    """fp32 scores ``[B, Hkv, Tq*G, Tk]`` of query rows ``[B, Hkv, Tq*G, D]`` (token-major: row = t * G + g)
+    and keys ``[B, Hkv, Tk, D]``; disallowed pairs are -inf. One GEMM per KV head, no K/V expansion."""
+    s = torch.matmul(q, k.transpose(-1, -2)).mul_(scale)
+    if mask is None:
+        return s
+    b, h, rows, tk = s.shape
+    return s.view(b, h, rows // group, group, tk).masked_fill_(~mask, float("-inf")).view(b, h, rows, tk)
 
 
 def _finite(x: torch.Tensor) -> torch.Tensor:
@@ -124,11 +129,16 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Online-softmax merge of two partial results (out ``[..., T, D]``, lse ``[..., T]``, fp32)."""
+    """Online-softmax merge of two partial results (out ``[..., R, D]``, lse ``[..., R]``, fp32)."""
     new = torch.logaddexp(lse, lse_b)
     ref = _finite(new)
     merged = out * torch.exp(lse - ref).unsqueeze(-1) + out_b * torch.exp(lse_b - ref).unsqueeze(-1)
     return merged, new
+
+
+def _rows(x: torch.Tensor, t: _Tile) -> torch.Tensor:
+    """Tile ``t`` of a token-major grouped tensor ``[B, Hkv, L, G(, D)]`` as rows ``[B, Hkv, T*G(, D)]`` (a view)."""
+    return x[:, :, t.local:t.local + t.length].flatten(2, 3)
 
 
 def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_tiles: list[_Tile],
@@ -136,24 +146,28 @@ def _block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_tiles: l
                    out: torch.Tensor, lse: torch.Tensor, scale: float) -> None:
     """Fold one K/V block into the running (out, lse) in place.
 
-    q/out ``[B, Hkv, G, L, D]`` fp32, lse ``[B, Hkv, G, L]`` fp32, k/v ``[B, Hkv, L, D]`` fp32.
+    q/out ``[B, Hkv, L, G, D]`` fp32, lse ``[B, Hkv, L, G]`` fp32, k/v ``[B, Hkv, L, D]`` fp32.
     """
+    group = q.shape[3]
     for qi, qt in enumerate(q_tiles):
-        qs = slice(qt.local, qt.local + qt.length)
-        o_acc, l_acc = out[..., qs, :], lse[..., qs]
+        q_t, o_acc, l_acc = _rows(q, qt), _rows(out, qt), _rows(lse, qt)
+        touched = False
         for ki, kt in enumerate(k_tiles):
             skip, mask = _tile_mask(qi, ki, q_tiles, k_tiles, seg_q, seg_k, q.device)
             if skip:
                 continue
             ks = slice(kt.local, kt.local + kt.length)
-            s = _scores(q[..., qs, :], k[..., ks, :], mask, scale)
+            s = _scores(q_t, k[:, :, ks], mask, scale, group)
             m = _finite(s.amax(dim=-1, keepdim=True))  # row max, 0 for fully masked rows
             p = s.sub_(m).exp_()  # in place: one exp per score
             denom = p.sum(dim=-1, keepdim=True)
-            o_b = torch.matmul(p, v[..., ks, :].unsqueeze(2)) / torch.where(denom == 0, 1.0, denom)
+            o_b = torch.matmul(p, v[:, :, ks]) / torch.where(denom == 0, 1.0, denom)
             l_b = (torch.log(denom) + m).squeeze(-1)  # log-sum-exp of the tile; -inf for fully masked rows
             o_acc, l_acc = _merge(o_acc, l_acc, o_b, l_b)
-        out[..., qs, :], lse[..., qs] = o_acc, l_acc
+            touched = True
+        if touched:
+            _rows(out, qt).copy_(o_acc)
+            _rows(lse, qt).copy_(l_acc)
 
 
 def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
@@ -162,31 +176,40 @@ def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: tor
                     scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Gradient contributions of one K/V block: adds into ``dq`` in place, returns this block's (dK, dV).
 
-    q/dout/dq ``[B, Hkv, G, L, D]``, lse/delta ``[B, Hkv, G, L]``, k/v and the results ``[B, Hkv, L, D]``;
-    all fp32. Formulas: FlashAttention-2 backward (Dao 2023, Algorithm 2).
+    q/dout/dq ``[B, Hkv, L, G, D]``, lse/delta ``[B, Hkv, L, G]``, k/v and the results ``[B, Hkv, L, D]``;
+    all fp32. Formulas: FlashAttention-2 backward (Dao 2023, Algorithm 2); the sums over the G query heads
+    sharing a KV head happen inside the dK/dV GEMMs (rows are token-major ``t * G + g``).
     """
+    group = q.shape[3]
     dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     for qi, qt in enumerate(q_tiles):
-        qs = slice(qt.local, qt.local + qt.length)
-        q_t, do_t = q[..., qs, :], dout[..., qs, :]
+        q_t, do_t, dq_t = _rows(q, qt), _rows(dout, qt), _rows(dq, qt)
+        lse_t, delta_t = _finite(_rows(lse, qt)).unsqueeze(-1), _rows(delta, qt).unsqueeze(-1)
         for ki, kt in enumerate(k_tiles):
             skip, mask = _tile_mask(qi, ki, q_tiles, k_tiles, seg_q, seg_k, q.device)
             if skip:
                 continue
             ks = slice(kt.local, kt.local + kt.length)
-            k_t, v_t = k[..., ks, :].unsqueeze(2), v[..., ks, :].unsqueeze(2)  # [B, Hkv, 1, Tk, D]
-            p = _scores(q_t, k[..., ks, :], mask, scale).sub_(_finite(lse[..., qs]).unsqueeze(-1)).exp_()
-            ds = torch.matmul(do_t, v_t.transpose(-1, -2)).sub_(delta[..., qs].unsqueeze(-1)).mul_(p)
-            dq[..., qs, :] += torch.matmul(ds, k_t) * scale
-            dk[..., ks, :] += torch.matmul(ds.transpose(-1, -2), q_t).sum(2) * scale
-            dv[..., ks, :] += torch.matmul(p.transpose(-1, -2), do_t).sum(2)
+            k_t, v_t = k[:, :, ks], v[:, :, ks]
+            p = _scores(q_t, k_t, mask, scale, group).sub_(lse_t).exp_()  # [B, Hkv, T*G, Tk]
+            ds = torch.matmul(do_t, v_t.transpose(-1, -2)).sub_(delta_t).mul_(p)
+            dq_t.add_(torch.matmul(ds, k_t), alpha=scale)
+            dk[:, :, ks].add_(torch.matmul(ds.transpose(-1, -2), q_t), alpha=scale)
+            dv[:, :, ks].add_(torch.matmul(p.transpose(-1, -2), do_t))
     return dk, dv
 
 
 def _grouped(x: torch.Tensor, num_kv: int) -> torch.Tensor:
-    """``[B, Hq, L, D]`` -> fp32 ``[B, Hkv, G, L, D]`` (query head h = kv * G + g, HF repeat_kv order)."""
+    """``[B, Hq, L, D]`` -> fp32 token-major ``[B, Hkv, L, G, D]`` (query head h = kv * G + g, HF repeat_kv
+    order), contiguous."""
     b, h, n, d = x.shape
-    return x.float().reshape(b, num_kv, h // num_kv, n, d)
+    return x.float().reshape(b, num_kv, h // num_kv, n, d).transpose(2, 3).contiguous()
+
+
+def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`_grouped`: ``[B, Hkv, L, G, D]`` -> ``[B, Hkv * G, L, D]`` in ``dtype``."""
+    b, hkv, n, g, d = x.shape
+    return x.transpose(2, 3).reshape(b, hkv * g, n, d).to(dtype)
 
 
 class _RingAttention(torch.autograd.Function):
@@ -197,8 +220,7 @@ class _RingAttention(torch.autograd.Function):
                 scale: float, tile: int) -> torch.Tensor:
         group = parallel_state.get_context_parallel_group()
         cp, rank = collectives.group_size(group), collectives.group_rank(group)
-        b, hq, n, d = q.shape
-        hkv, seq_len = k.shape[1], n * cp
+        hkv, seq_len = k.shape[1], q.shape[2] * cp
         q_tiles = _tiles(seq_len, rank, cp, tile)
         qf = _grouped(q, hkv)
         out = torch.zeros_like(qf)
@@ -213,7 +235,7 @@ class _RingAttention(torch.autograd.Function):
             _block_forward(qf, block[0], block[1], q_tiles, k_tiles, seg_q, seg_k, out, lse, scale)
             if pending is not None:
                 block = pending.wait()
-        result = out.reshape(b, hq, n, d).to(q.dtype)
+        result = _ungrouped(out, q.dtype)
         ctx.save_for_backward(q, k, v, seg, result, lse)
         ctx.scale, ctx.tile = scale, tile
         return result
@@ -223,11 +245,10 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, seg, out, lse = ctx.saved_tensors
         group = parallel_state.get_context_parallel_group()
         cp, rank = collectives.group_size(group), collectives.group_rank(group)
-        b, hq, n, d = q.shape
-        hkv, seq_len = k.shape[1], n * cp
+        hkv, seq_len = k.shape[1], q.shape[2] * cp
         q_tiles = _tiles(seq_len, rank, cp, ctx.tile)
         qf, dof = _grouped(q, hkv), _grouped(grad_out, hkv)
-        delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, G, L]
+        delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, L, G]
         dq = torch.zeros_like(qf)
         block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
         incoming = None  # in-flight dK/dV accumulators of the block this rank handles next
@@ -246,7 +267,7 @@ class _RingAttention(torch.autograd.Function):
             if pending is not None:
                 block = pending.wait()
         dk, dv = incoming.wait()
-        return (dq.reshape(b, hq, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None)
+        return _ungrouped(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
 def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, tile_size: int) -> None:

@@ -60,13 +60,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torc
             flash_attention: bool) -> torch.Tensor:
     """Single-device causal attention of the head-sharded, full-sequence q/k/v (the non-CP branches of
     :func:`nxd_lc.models.common.attention.core_attention`, which would re-dispatch to CP itself)."""
-    num_rep = q.shape[1] // k.shape[1]
-    k, v = local_attention.repeat_kv(k, num_rep), local_attention.repeat_kv(v, num_rep)
-    if not flash_attention:
-        return local_attention._eager_attention(q, k, v, scale, True, segment_ids)
-    if segment_ids is None:
-        return local_attention._sdpa(q, k, v, scale, True)
-    return local_attention._flash_documents(q, k, v, segment_ids, scale, True)
+    return local_attention.local_attention(q, k, v, scale=scale, causal=True, flash_attention=flash_attention,
+                                           segment_ids=segment_ids)
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None = None,

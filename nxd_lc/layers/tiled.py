@@ -121,7 +121,8 @@ def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     Equals ``causal_lm_loss(vocab_parallel_logits(hidden, weight, nv), labels)`` (loss and gradients of
     ``hidden`` and ``weight``) without ever holding more than ``[chunk_size, Vl]`` logits. The gradients are
     computed during forward (one ``[c, Vl]`` chunk alive at a time) and scaled by the incoming gradient in
-    backward; under ``no_grad`` only the loss is computed.
+    backward; under ``no_grad`` only the loss is computed. Each chunk runs the three TP all-reduces of
+    :func:`parallel_cross_entropy` (max, target logit, sum of exp), so very small chunks cost latency at TP > 1.
 
     Args:
         hidden: ``[B, S, H]`` (or ``[L, H]``) lm-head input already in the TP region (see

@@ -57,8 +57,9 @@ class NxDStrategy(DDPStrategy):
                         storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` as ``<dirname(filepath)>/<basename(filepath)>`` in NxD's layout, from all ranks.
 
-        The model shard is written by DP rank 0 of each (TP, PP) position; optimizer shards likewise (without
-        ZeRO-1 every DP rank holds the same optimizer state); trainer state goes to the user-content file.
+        The model shard is written by DP rank 0 / CP rank 0 of each (TP, PP) position; optimizer shards likewise
+        (without ZeRO-1 every DP and CP rank holds the same optimizer state); trainer state goes to the
+        user-content file.
         """
         if storage_options is not None:
             raise TypeError("NxDStrategy.save_checkpoint: storage_options are not supported")
@@ -67,10 +68,12 @@ class NxDStrategy(DDPStrategy):
         model_state = content.pop(MODEL_KEY)
         optim_state = {k: content.pop(k) for k in OPTIM_KEYS if k in content}
         ranks = self._ranks()
+        # model and (unsharded) optimizer state are identical over DP and CP: one writer per (TP, PP) position
+        writer = ranks["dp_rank"] == 0 and ps.get_context_parallel_rank() == 0
         sharded.save_checkpoint(
             root, tag, model_state=model_state, optim_state=optim_state or None, user_content=content,
-            is_global_zero=self.is_global_zero, write_model=ranks["dp_rank"] == 0,
-            write_optim=ranks["dp_rank"] == 0 and bool(optim_state), use_xser=self.save_xser,
+            is_global_zero=self.is_global_zero, write_model=writer,
+            write_optim=writer and bool(optim_state), use_xser=self.save_xser,
             save_bf16=self.save_bf16, **ranks)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

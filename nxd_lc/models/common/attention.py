@@ -157,7 +157,7 @@ def core_attention(
         ValueError: inconsistent shapes, Hq not a multiple of Hkv, non-integer or decreasing segment_ids,
             or ``causal=False`` under context parallelism.
     """
-    num_rep = _check_shapes(q, k, v, segment_ids)
+    _check_shapes(q, k, v, segment_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if parallel_state.get_context_parallel_world_size() > 1:
         if not causal:
@@ -167,6 +167,18 @@ def core_attention(
 
         return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale,
                                           flash_attention=flash_attention)
+    return local_attention(q, k, v, scale=scale, causal=causal, flash_attention=flash_attention,
+                           segment_ids=segment_ids)
+
+
+def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
+                    flash_attention: bool = True, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    """The single-device branches of :func:`core_attention` (no context-parallel dispatch): shapes as there.
+
+    Context-parallel Ulysses calls this on its head-sharded, full-sequence q/k/v; everything else should call
+    :func:`core_attention`.
+    """
+    num_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, num_rep), repeat_kv(v, num_rep)
     if not flash_attention:
         return _eager_attention(q, k, v, scale, causal, segment_ids)

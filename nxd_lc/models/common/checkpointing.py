@@ -23,7 +23,7 @@ activation checkpointing keys to a constructed :class:`~nxd_lc.models.llama.mode
 from __future__ import annotations
 
 import functools
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,9 @@ from torch.utils.checkpoint import checkpoint
 
 from nxd_lc.layers.tiled import check_chunk_size
 from nxd_lc.models.common.mlp import LlamaMLP
+
+if TYPE_CHECKING:
+    from nxd_lc.config.schema import ModelConfig
 
 __all__ = [
     "GRANULARITIES",
@@ -46,7 +49,7 @@ _FLAG = "_nxd_activation_checkpointed"
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     """``model.layers`` (the decoder layers); ValueError if the model has none."""
-    layers = model._modules.get("layers")
+    layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
             f"activation checkpointing needs a decoder with a 'layers' ModuleList (e.g. LlamaForCausalLM); "
@@ -144,8 +147,8 @@ def apply_tiled_mlp(model: nn.Module, chunk_size: int | None) -> int:
     return len(mlps)
 
 
-def apply_memory_techniques(model: nn.Module, model_cfg: Any) -> list[str]:
-    """Apply ``model_cfg`` (a :class:`nxd_lc.config.schema.ModelConfig`) memory keys to a built decoder:
+def apply_memory_techniques(model: nn.Module, model_cfg: ModelConfig) -> list[str]:
+    """Apply the ``model:`` config's memory keys to a built decoder (e.g. ``LlamaForCausalLM``):
 
     * ``tiled_loss_chunk_size`` -> ``model.tiled_loss_chunk_size`` (used by ``LlamaForCausalLM.loss``),
     * ``tiled_mlp_chunk_size`` -> every ``LlamaMLP.tiled_chunk_size``,
