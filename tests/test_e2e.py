@@ -99,3 +99,23 @@ def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     assert f"resuming from {last}" in second.stdout
     tags = sorted(t for t in os.listdir(ckpt_root) if os.path.isdir(os.path.join(ckpt_root, t)))
     assert tags == ["cpu_tiny_llama--step=4-consumed_samples=16.0", "cpu_tiny_llama--step=6-consumed_samples=24.0"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_torchrun_context_parallel_with_memory_techniques(tmp_path) -> None:
+    """CP=2 (ring) + full activation checkpointing + tiled loss/MLP through train.py; the checkpoint has one
+    model shard (CP ranks hold identical weights, one writer)."""
+    corpus = _small_corpus(str(tmp_path))
+    log_dir = str(tmp_path / "run")
+    cmd = _train_cmd(log_dir, corpus, str(tmp_path / "cache"), max_steps=2) + [
+        "distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.context_parallel_size=2",
+        "+distributed_strategy.context_parallel_algo=ring", "distributed_strategy.sequence_parallel=false",
+        "model.activations_checkpoint_granularity=full", "+model.tiled_loss_chunk_size=64",
+        "+model.tiled_mlp_chunk_size=64"]
+    out = _run(cmd)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    assert "activation checkpointing (full): 4 modules" in out.stdout
+    tag = os.path.join(log_dir, "checkpoints", "cpu_tiny_llama--step=2-consumed_samples=8.0")
+    assert sorted(os.listdir(os.path.join(tag, "model"))) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt",
+                                                             "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors"]
