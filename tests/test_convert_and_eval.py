@@ -301,3 +301,33 @@ def test_yarn_continuation_config_is_valid() -> None:
                             hf_config_overrides=cfg.model.hf_config_overrides)
     spec = rope_spec_from_config(hf)
     assert spec.rope_type == "yarn" and hf.rope_scaling["factor"] == 4
+
+
+def test_tp1_yarn_checkpoint_converts_in_process(tmp_path: Path) -> None:
+    """TP=1 needs no process group; the YaRN rope_scaling of hf_config_overrides reaches config.json and
+    transformers' YaRN gives our logits (positions 0..15 run past original_max_position_embeddings 8)."""
+    _prepare(tmp_path, tp=1)
+    raw = _raw_config(tmp_path, 1)
+    raw["model"]["hf_config_overrides"] = {"rope_scaling": {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 2.0, "original_max_position_embeddings": 8,
+        "truncate": True, "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.0}}
+    cfg = load_config(raw)
+    ps.initialize_model_parallel()
+    try:
+        torch.manual_seed(2)
+        model = convert.build_model(cfg).eval()
+        assert model.rotary_emb.spec.rope_type == "yarn"
+        with torch.no_grad():
+            ours = model(_ids())
+        state = {f"model.{k}": v for k, v in model.state_dict().items()}
+        sharded.save_checkpoint(str(tmp_path / "ckpt"), TAG, model_state=state, optim_state=None, user_content=None,
+                                dp_rank=0, tp_rank=0, pp_rank=0, is_global_zero=True, write_model=True,
+                                write_optim=False, use_xser=False, step=3)
+    finally:
+        ps.destroy_model_parallel()
+    convert.convert_checkpoint_to_hf(cfg, str(tmp_path / "ckpt" / TAG), str(tmp_path / "hf"), save_tokenizer=False)
+    rope = json.loads((tmp_path / "hf" / "config.json").read_text())
+    rope = rope.get("rope_scaling") or rope.get("rope_parameters")
+    assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0
+    torch.testing.assert_close(_hf_logits(tmp_path / "hf"), ours, atol=2e-5, rtol=1e-5)
+    assert not ps.model_parallel_is_initialized()
