@@ -58,7 +58,12 @@ def dry_run(cfg: NxdConfig) -> str:
     return "\n".join(lines)
 
 
-def _build_model(cfg: NxdConfig) -> Any:
+def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
+    """``(transformers LlamaConfig, LlamaForCausalLM)`` of a run: config.json + YAML overrides +
+    ``hf_config_overrides``, sharded for this rank, HF weights loaded (``model.hf_weights_dir``), memory techniques
+    applied. Needs ``parallel_state`` initialised (or a single process). Shared by training, the checkpoint
+    converter and the evaluation, so all three build the same model.
+    """
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
@@ -145,7 +150,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         log.info("effective environment:\n%s", format_env_table(env_entries))
         log.info("log dir: %s", paths.log_dir)
     pl.seed_everything(cfg.seed, workers=True)
-    hf_config, model = _build_model(cfg)
+    hf_config, model = build_model(cfg)
     model.to(runtime.device)
     data = PretrainingDataModule(
         cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=hf_config.vocab_size,

@@ -201,17 +201,17 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
         RuntimeError: the builder did not apply ``model.hf_config_overrides.rope_scaling`` (a rope_type other
             than the configured one would silently change the model).
     """
-    from nxd_lc.train import _build_model
+    from nxd_lc.train import build_model as _build_run_model
 
     if not load_weights:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=None))
-    _, model = _build_model(cfg)
+    _, model = _build_run_model(cfg)
     rope = (cfg.model.hf_config_overrides or {}).get("rope_scaling")
     wanted = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
     built = model.rotary_emb.spec.rope_type
     if wanted is not None and built != wanted:
         raise RuntimeError(f"model.hf_config_overrides.rope_scaling.rope_type is {wanted!r} but the model was "
-                           f"built with rope_type {built!r}: nxd_lc.train._build_model ignores hf_config_overrides")
+                           f"built with rope_type {built!r}: nxd_lc.train.build_model ignores hf_config_overrides")
     return model
 
 
