@@ -58,6 +58,16 @@ def dry_run(cfg: NxdConfig) -> str:
     return "\n".join(lines)
 
 
+def _unscaled_rope(hf_overrides: dict[str, Any], rope_theta: Any, seq: int, original: int) -> dict[str, Any]:
+    """YaRN at ``seq_length <= original_max_position_embeddings`` is a no-op: unscaled RoPE, with a warning."""
+    log.warning("rope_scaling: yarn is a no-op at seq_length %d <= original_max_position_embeddings %d: "
+                "unscaled RoPE is used; raise data.seq_length above %d or drop rope_scaling", seq, original, original)
+    out = {**hf_overrides, "rope_scaling": None}
+    if rope_theta is not None:
+        out["rope_theta"] = rope_theta
+    return out
+
+
 def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     """``(transformers LlamaConfig, LlamaForCausalLM)`` of a run: config.json + YAML overrides +
     ``hf_config_overrides``, sharded for this rank, HF weights loaded (``model.hf_weights_dir``), memory techniques
@@ -65,17 +75,27 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     converter and the evaluation, so all three build the same model.
     """
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
-    from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
+    from nxd_lc.models.common.rope import rope_spec_from_config, warn_if_rope_scaling_is_noop
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
 
     m, ds = cfg.model, cfg.distributed_strategy
     overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
                  "max_position_embeddings": m.max_position_embeddings, "encoder_seq_length": m.encoder_seq_length}
-    hf_config = build_llama_config(resolve_path(m.model_config or ""),
-                                   {k: v for k, v in overrides.items() if v is not None},
-                                   hf_config_overrides=m.hf_config_overrides)
-    warn_if_rope_scaling_is_noop(hf_config, seq_length(cfg) or 0)
+    yaml_overrides = {k: v for k, v in overrides.items() if v is not None}
+    path, seq = resolve_path(m.model_config or ""), seq_length(cfg) or 0
+    hf_overrides = dict(m.hf_config_overrides or {})
+    rs = hf_overrides.get("rope_scaling")
+    if isinstance(rs, Mapping) and rs.get("rope_type") == "yarn" and seq <= int(
+            rs.get("original_max_position_embeddings") or seq):
+        hf_overrides = _unscaled_rope(hf_overrides, rs.get("rope_theta"), seq, rs["original_max_position_embeddings"])
+    hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides or None)
+    spec = rope_spec_from_config(hf_config)
+    if spec.rope_type == "yarn" and seq <= spec.original_max_position_embeddings():  # yarn from config.json
+        hf_overrides = _unscaled_rope(hf_overrides, spec.rope_theta, seq, spec.original_max_position_embeddings())
+        hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides)
+    else:
+        warn_if_rope_scaling_is_noop(hf_config, seq)
     model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
                              fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
                              flash_attention=m.fusions.flash_attention,

@@ -313,7 +313,12 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
     elif isinstance(overrides.get("rope_scaling"), Mapping):
         from nxd_lc.models.common.rope import rope_scaling_problems
 
-        p.extend(rope_scaling_problems(dict(overrides["rope_scaling"])))
+        rs = dict(overrides["rope_scaling"])
+        orig, s = rs.get("original_max_position_embeddings"), seq_length(cfg)
+        if rs.get("rope_type") == "yarn" and isinstance(orig, int) and s is not None and s <= orig:
+            # a no-op (unscaled RoPE, with a warning at build time): a ${div:seq,orig} factor < 1 is fine
+            rs["factor"] = max(1.0, float(rs.get("factor") or 1.0))
+        p.extend(rope_scaling_problems(rs))
     for key in ("tiled_loss_chunk_size", "tiled_mlp_chunk_size"):
         v = getattr(m, key)
         if v is not None and v < 1:
