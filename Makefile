@@ -1,13 +1,24 @@
 # Two commands do all the set-up (see README):
-#   make demo   - create/reuse .venv, install nxd_lc, run the CPU demo (TP=2 + sequence parallel, 2 processes)
-#   make test   - create/reuse .venv, install nxd_lc[dev], run the whole test suite
+#   make demo       - create/reuse .venv, install nxd_lc, run the CPU demo (TP=2 + sequence parallel, 2 processes)
+#   make test       - the CI lanes in TEST_LANES (each creates/reuses its venv and installs itself)
+#   make test-fast  - lane 1 only: .venv (torch 2.13 CPU, constraints.txt), the whole suite
+#   make test-xla   - lane 2 only: .venv-xla (torch 2.9 + torch-xla 2.9, constraints-xla.txt), the whole suite
+#                     again plus the XLA tests, under PJRT_DEVICE=CPU
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
 PIP     := $(PY) -m pip install -q -c constraints.txt
 DEPS    := pyproject.toml constraints.txt
 
-.PHONY: demo test install install-dev lint clean-runs
+XLA_VENV ?= .venv-xla
+XLA_PY   := $(XLA_VENV)/bin/python
+XLA_PIP  := $(XLA_PY) -m pip install -q -c constraints-xla.txt
+XLA_DEPS := pyproject.toml constraints-xla.txt
+
+# The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
+TEST_LANES ?= test-fast
+
+.PHONY: demo test test-fast test-xla install install-dev install-xla lint clean-runs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -20,14 +31,27 @@ $(VENV)/.installed-dev: $(PY) $(DEPS)
 	$(PIP) -e '.[dev]'
 	touch $@ $(VENV)/.installed
 
+$(XLA_PY):
+	$(PYTHON) -m venv $(XLA_VENV)
+
+$(XLA_VENV)/.installed-dev: $(XLA_PY) $(XLA_DEPS)
+	$(XLA_PIP) -e '.[dev,xla]'
+	touch $@
+
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev
+install-xla: $(XLA_VENV)/.installed-dev
 
 demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 train.py --config-name cpu_tiny_llama_config
 
-test: install-dev
+test: $(TEST_LANES)
+
+test-fast: install-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests
+
+test-xla: install-xla
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs tests
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py

@@ -3,7 +3,7 @@
 Definitions (all per implementation, all in one run):
 
 * measured peak RSS: the child's ``VmHWM`` (bytes) over warm-up + timed steps; tokens/s = L / median timed step;
-  MFU = :func:`benchmarks.report.step_flops` / step time / GEMM peak.
+  MFU = :func:`benchmarks.report.step_flops` / step time / GEMM peak (the larger of the start and end GEMM runs).
 * estimated RSS = (RSS after imports + fake-tensor peak) x calibration, calibration = the largest measured /
   uncalibrated-estimate ratio over the lengths where both exist (1.0 if none).
 * longest fitting length: the longest measured length that finished under the cap; if the implementation never
@@ -26,6 +26,16 @@ __all__ = ["analyse"]
 _NAMES = {"hf": "transformers (sdpa)", "nxd": "nxd_lc"}
 
 
+def _gemm_peak(raw: dict[str, Any]) -> float | None:
+    """The larger of the GEMM peaks measured at the start and the end of the run (FLOP/s), None if neither."""
+    peaks = [g["flops_per_s"] for g in (raw.get("gemm", {}), raw.get("gemm_end", {})) if g.get("flops_per_s")]
+    return max(peaks) if peaks else None
+
+
+def _gflops(flops: float | None) -> str:
+    return "—" if flops is None else f"{flops / 1e9:.0f}"
+
+
 def _estimates(raw: dict[str, Any], impl: str) -> dict[int, int]:
     """L -> uncalibrated estimated RSS (bytes)."""
     est = raw["estimates"].get(impl, {})
@@ -40,7 +50,7 @@ def _measured_ok(raw: dict[str, Any], impl: str) -> list[dict[str, Any]]:
 
 def _impl_summary(result: dict[str, Any], impl: str) -> dict[str, Any]:
     raw, cap, model = result["raw"], result["cap_bytes"], result["plan"]["model"]
-    gemm = raw["gemm"].get("flops_per_s")
+    gemm = _gemm_peak(raw)
     est = _estimates(raw, impl)
     ok = _measured_ok(raw, impl)
     ratios = {p["seq_len"]: p["peak_rss"] / est[p["seq_len"]] for p in ok if p["seq_len"] in est}
@@ -140,7 +150,9 @@ def _targets(s: dict[str, dict[str, Any]], cp: dict[str, Any]) -> dict[str, Any]
 def _markdown(result: dict[str, Any], s: dict[str, dict[str, Any]], cp: dict[str, Any],
               t: dict[str, Any]) -> str:
     cap = result["cap_bytes"] / GIB
-    out = [markdown_table(_rows(result, s)), ""]
+    gemm = _gemm_peak(result["raw"])
+    out = [markdown_table(_rows(result, s)), "",
+           f"- fp32 GEMM peak (torch.mm 4096^2, 2 threads, same run): {_gflops(gemm)} GFLOP/s"]
     for summ in s.values():
         f, emax = summ["fit_measured"], summ["estimated_max"]
         out.append(f"- {summ['name']}: longest L under {cap:.0f} GiB = {summ['longest_fit']} "
@@ -169,4 +181,5 @@ def analyse(result: dict[str, Any]) -> dict[str, Any]:
     s = {impl: _impl_summary(result, impl) for impl in ("hf", "nxd")}
     cp = _cp_summary(result, s["nxd"]) if result["raw"]["cp"] else {}
     t = _targets(s, cp)
-    return {"impls": s, "cp2": cp, "targets": t, "rows": _rows(result, s), "markdown": _markdown(result, s, cp, t)}
+    return {"impls": s, "cp2": cp, "targets": t, "gemm_peak_flops_per_s": _gemm_peak(result["raw"]),
+            "rows": _rows(result, s), "markdown": _markdown(result, s, cp, t)}

@@ -10,7 +10,8 @@ Run from the repository root::
 What one run does (see benchmarks/README.md for the method and the latest numbers):
 
 1. writes the seed-0 HF checkpoint of the reference model and the token data (:mod:`benchmarks.common`);
-2. measures the fp32 GEMM peak (``torch.mm``, 2 threads) in a child process;
+2. measures the fp32 GEMM peak (``torch.mm``, 2 threads) in a child process, at the start and again at the end
+   (the larger is used: on a shared machine either may be depressed);
 3. **estimates** peak memory of both implementations on a grid of lengths with FakeTensorMode
    (:mod:`benchmarks.memory_estimate`), and validates that accounting on real tensors at the smallest length;
 4. **measures** peak RSS and tokens/s at each real length, each implementation in its own child process under the
@@ -212,6 +213,8 @@ def collect(args: argparse.Namespace, plan: dict[str, Any], workdir: str) -> dic
              f"{[round(x / GIB, 2) for x in point.get('per_rank_peak_rss', [])]} GiB")
         if point["status"] != "ok":
             break
+    raw["gemm_end"] = runner.gemm()  # again at the end: on a shared machine the first one may be low
+    _log(f"GEMM peak at the end: {raw['gemm_end'].get('flops_per_s', 0) / 1e9:.1f} GFLOP/s")
     return raw
 
 

@@ -145,6 +145,10 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         print(dry_run(cfg))
         return None
     check_supported(cfg)
+    if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
+        from nxd_lc.runtime.prewarm import run_prewarm
+
+        return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}))
     return _fit(cfg, trainer_overrides or {})
 
 

@@ -10,12 +10,17 @@ Loading reads the structure, then each referenced tensor file, and returns CPU t
 tensors on ``map_location``). Saving one tensor per file keeps peak host memory at one tensor and
 lets many ranks write in parallel.
 
-Our reference class is pickled as ``nxd_lc.checkpoint.xser.TensorReference``. Files written by
-torch-xla itself pickle ``torch_xla.utils.serialization.TensorReference`` (and NxD may leave
-``neuronx_distributed.trainer.checkpoint._InternalTensorReference`` in non-dict containers);
-:func:`load_xser` maps those class names onto ours with a custom unpickler, so torch-xla does not
-need to be installed. Note the converse does not hold: torch-xla's ``load`` checks the reference
-type exactly, so files written here are read back by :func:`load_xser` only.
+Interop with torch-xla in both directions (tested in the XLA lane, ``tests/test_xla_interop.py``):
+
+* files written here load with ``torch_xla.utils.serialization.load``: the structure file pickles each
+  reference as ``torch_xla.utils.serialization.TensorReference(tid)`` (a GLOBAL + REDUCE: torch-xla's class,
+  constructed with the id, exactly what torch-xla's own ``save`` leaves), written by :class:`_XserPickler`
+  without importing torch-xla;
+* files written by torch-xla (and by NxD, which may leave
+  ``neuronx_distributed.trainer.checkpoint._InternalTensorReference`` in non-dict containers) load here:
+  :func:`load_xser` maps those class names onto our :class:`TensorReference` with a custom unpickler, so
+  torch-xla does not need to be installed. torch-xla's ``save`` keeps CPU tensors inline in the structure file
+  (only XLA tensors become references); those load as they are.
 
 The structure file is a full pickle (``weights_only=False``): load only checkpoints you trust,
 exactly as with NxD/torch-xla. Tensor files are loaded with ``weights_only=True``.
@@ -70,6 +75,52 @@ class TensorReference:
         return f"TensorReference(tid={self.tid})"
 
 
+#: How a reference is named in the structure files we write: torch-xla's own class (see the module docstring).
+_XLA_REFERENCE_CLASS = ("torch_xla.utils.serialization", "TensorReference")
+
+
+class _ForeignGlobal:
+    """A class named by ``(module, qualname)`` that the saving process need not be able to import."""
+
+    def __init__(self, module: str, name: str) -> None:
+        self.module, self.name = module, name
+
+    def __call__(self, *args: Any) -> Any:
+        """Never called: exists because pickle's ``save_reduce`` requires a callable."""
+        raise TypeError(f"{self.module}.{self.name} is a pickling placeholder, not a class")
+
+
+_XLA_REFERENCE_GLOBAL = _ForeignGlobal(*_XLA_REFERENCE_CLASS)
+
+
+class _XserPickler(pickle._Pickler):  # the pure-Python pickler: its dispatch table can name foreign classes
+    """Pickler writing each :class:`TensorReference` as ``torch_xla.utils.serialization.TensorReference(tid)``.
+
+    ``reducer_override`` turns a reference into the reduce tuple ``(torch-xla's class, (tid,))``; the class is a
+    :class:`_ForeignGlobal`, written as a GLOBAL opcode (protocol < 4) or STACK_GLOBAL (protocol >= 4) without the
+    import check the standard ``save_global`` makes. Everything else pickles as usual; used only for the
+    (small) structure file, so the pure-Python speed is irrelevant.
+    """
+
+    dispatch = dict(pickle._Pickler.dispatch)
+
+    def reducer_override(self, obj: Any) -> Any:
+        if type(obj) is TensorReference:
+            return _XLA_REFERENCE_GLOBAL, (obj.tid,)
+        return NotImplemented
+
+    def _save_foreign_global(self, obj: _ForeignGlobal) -> None:
+        if self.proto >= 4:
+            self.save(obj.module)
+            self.save(obj.name)
+            self.write(pickle.STACK_GLOBAL)
+        else:
+            self.write(pickle.GLOBAL + f"{obj.module}\n{obj.name}\n".encode())
+        self.memoize(obj)
+
+    dispatch[_ForeignGlobal] = _save_foreign_global
+
+
 class _XserUnpickler(pickle.Unpickler):
     """Unpickler that resolves foreign xser reference classes to :class:`TensorReference`."""
 
@@ -89,6 +140,7 @@ _xser_pickle_module = types.ModuleType("nxd_lc_xser_pickle")
 _xser_pickle_module.__dict__.update({k: v for k, v in vars(pickle).items() if not k.startswith("__")})
 _xser_pickle_module.Unpickler = _XserUnpickler  # type: ignore[attr-defined]
 _xser_pickle_module.load = _pickle_load  # type: ignore[attr-defined]
+_xser_pickle_module.Pickler = _XserPickler  # type: ignore[attr-defined]
 
 
 def tensors_dir(path: str) -> str:
@@ -119,10 +171,10 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def torch_save_file(obj: Any, path: str, fsync: bool) -> None:
-    """``torch.save(obj)`` into ``path``, flushing and fsyncing the file when ``fsync``."""
+def torch_save_file(obj: Any, path: str, fsync: bool, pickle_module: Any = pickle) -> None:
+    """``torch.save(obj, pickle_module=pickle_module)`` into ``path``, flushing and fsyncing when ``fsync``."""
     with open(path, "wb") as f:
-        torch.save(obj, f)
+        torch.save(obj, f, pickle_module=pickle_module)
         if fsync:
             f.flush()
             os.fsync(f.fileno())
@@ -221,7 +273,7 @@ def save_xser(obj: Any, path: str, *, fsync: bool = False) -> None:
     ref_obj = map_tensors(obj, to_ref)
     for tid, t in enumerate(tensors):
         torch_save_file(compact_cpu(t), tensor_file(path, tid), fsync)
-    torch_save_file(ref_obj, path, fsync)
+    torch_save_file(ref_obj, path, fsync, pickle_module=_xser_pickle_module)
     if fsync:
         fsync_dir(folder)
         fsync_dir(parent)

@@ -23,7 +23,7 @@ class TrainerConfig:
 
     devices: int = 1  # processes per node (torchrun --nproc_per_node)
     num_nodes: int = 1  # number of nodes; world size = devices * num_nodes
-    accelerator: str = "auto"  # auto | cpu | gpu (xla and neuron come with the Trainium issue)
+    accelerator: str = "auto"  # auto (neuron, then gpu, then cpu) | cpu | gpu | xla | neuron
     max_epochs: int = -1  # -1 = unlimited; training stops at max_steps
     max_steps: int = 1000  # number of optimizer steps
     log_every_n_steps: int = 10  # metrics are logged every N optimizer steps
@@ -172,6 +172,7 @@ class ModelConfig:
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
     activations_checkpoint_recompute: Optional[List[str]] = None  # module class names recomputed with 'selective'
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
+    transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
     optim: OptimConfig = field(default_factory=OptimConfig)
 
@@ -209,6 +210,7 @@ class NxdConfig:
     neuron_rt_exec_timeout: Optional[int] = None  # NEURON_RT_EXEC_TIMEOUT (seconds)
     neuron_experimental_compress_rg: Optional[bool] = None  # NEURON_EXPERIMENTAL_COMPRESS_RG
     dry_run: bool = False  # validate the config, print it with the effective environment, and exit
+    prewarm: bool = False  # graph-extraction pass: few steps, no checkpoints/loggers, writes the graph manifest
 
 
 #: Accepted spellings that map to a canonical key, as (dotted alias, dotted canonical key).

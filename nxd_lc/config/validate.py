@@ -383,6 +383,7 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
          ("max", "min")),
         ("model.activations_checkpoint_granularity", cfg.model.activations_checkpoint_granularity,
          (None, "selective", "full")),
+        ("trainer.lnc", cfg.trainer.lnc, (None, 1, 2)),  # Trainium2 logical NeuronCore config
     ]
     for key, value, allowed in choices:
         if value not in allowed:
@@ -450,8 +451,6 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
          "precision.parallel_layers_reduce_dtype", cfg.precision.parallel_layers_reduce_dtype),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
-        (cfg.trainer.accelerator in ("xla", "neuron"), "trainer.accelerator", cfg.trainer.accelerator),
-        (cfg.trainer.lnc is not None, "trainer.lnc", cfg.trainer.lnc),
         (cfg.trainer.sequential_move_factor is not None, "trainer.sequential_move_factor",
          cfg.trainer.sequential_move_factor),
         (em.async_checkpointing, "exp_manager.async_checkpointing", em.async_checkpointing),

@@ -1,7 +1,11 @@
 """The one place that calls ``torch.distributed`` collectives.
 
-Every other module of nxd_lc goes through these functions, so a new backend (torch-xla in a
-later issue) only has to be taught here. All functions are plain tensor operations without
+Every other module of nxd_lc goes through these functions, so a backend only has to be taught
+here. Backends: ``gloo`` (CPU), ``nccl`` (CUDA) and ``xla`` (torch-xla's process group for multi-device
+XLA, e.g. Trainium: collectives become XLA collective ops inside the lazy graph; registered on first use
+by :func:`default_backend`). On ``xla``, gathers and reduce-scatters use the single-tensor forms
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as on nccl); point-to-point ring exchange is
+not available there (use ``context_parallel_algo: ulysses``). All functions are plain tensor operations without
 autograd; :mod:`nxd_lc.distributed.mappings` wraps them in autograd functions.
 
 Conventions
@@ -22,6 +26,8 @@ from collections.abc import Sequence
 import torch
 import torch.distributed as dist
 
+from nxd_lc import compat
+
 ProcessGroup = dist.ProcessGroup
 
 _REDUCE_OPS = {
@@ -29,20 +35,26 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl"}
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
+_TENSOR_COLLECTIVE_BACKENDS = ("nccl", "xla")  # backends with all_gather_into_tensor / reduce_scatter_tensor
 
 
 def default_backend(device_type: str) -> str:
-    """Return the torch.distributed backend for a device type: ``'gloo'`` (cpu), ``'nccl'`` (cuda).
+    """Return the torch.distributed backend for a device type: ``'gloo'`` (cpu), ``'nccl'`` (cuda),
+    ``'xla'`` (xla; registers torch-xla's backend with torch.distributed first).
 
     Raises:
-        ValueError: for any other device type (XLA/Neuron devices are added in a later issue).
+        ValueError: for any other device type.
+        ModuleNotFoundError: ``'xla'`` without torch-xla installed.
     """
     if device_type not in _BACKENDS:
         raise ValueError(
-            f"default_backend: unsupported device type {device_type!r}; expected one of "
-            f"{sorted(_BACKENDS)} (XLA/Neuron backends are not implemented yet)"
+            f"default_backend: unsupported device type {device_type!r}; expected one of {sorted(_BACKENDS)}"
         )
+    if device_type == "xla":
+        from nxd_lc.runtime.xla import xla_process_group_backend
+
+        return xla_process_group_backend()
     return _BACKENDS[device_type]
 
 
@@ -122,7 +134,7 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
-    if _backend(group) == "nccl" and dim % tensor.dim() == 0:
+    if _backend(group) in _TENSOR_COLLECTIVE_BACKENDS and dim % tensor.dim() == 0:
         out = tensor.new_empty((tensor.shape[0] * size, *tensor.shape[1:]))
         dist.all_gather_into_tensor(out, tensor, group=group)
         return out
@@ -136,7 +148,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
 
     Shapes: input ``[..., n * world, ...]`` -> output ``[..., n, ...]``; chunk ``r`` of the sum goes
     to group rank ``r``. gloo has no reduce-scatter, so there it is an all-reduce followed by a
-    slice (same result, ``world`` times the traffic); nccl uses ``reduce_scatter_tensor``.
+    slice (same result, ``world`` times the traffic); nccl and xla use ``reduce_scatter_tensor``.
 
     Raises:
         ValueError: if ``tensor.shape[dim]`` is not divisible by the group size.
@@ -150,7 +162,7 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
             f"size {size}; pad the sequence/feature dimension to a multiple of {size}"
         )
     rank = dist.get_rank(group)
-    if _backend(group) == "nccl":
+    if _backend(group) in _TENSOR_COLLECTIVE_BACKENDS:
         moved = tensor.movedim(dim, 0).contiguous()
         out = moved.new_empty((moved.shape[0] // size, *moved.shape[1:]))
         dist.reduce_scatter_tensor(out, moved, group=group)
@@ -181,7 +193,7 @@ def all_to_all(
         )
     inputs = [c.contiguous() for c in tensor.chunk(size, dim=scatter_dim)]
     outputs = [torch.empty_like(c) for c in inputs]
-    dist.all_to_all(outputs, inputs, group=group)
+    compat.all_to_all(outputs, inputs, group)  # gloo on torch 2.9 has no alltoall: compat falls back
     return torch.cat(outputs, dim=gather_dim)
 
 
@@ -217,6 +229,11 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     size = group_size(group)
     if size == 1:
         return RingExchange([], [], list(tensors))
+    if _backend(group) == "xla":
+        raise NotImplementedError(
+            "ring_exchange: point-to-point send/recv is not available on the 'xla' process group; set "
+            "distributed_strategy.context_parallel_algo: ulysses on XLA/Neuron"
+        )
     rank = dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prev = dist.get_global_rank(group, (rank - 1) % size)

@@ -7,6 +7,7 @@ import time
 from typing import Any, Optional
 
 import pytorch_lightning as pl
+import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 
 from nxd_lc.config.schema import CheckpointCallbackParams
@@ -76,8 +77,9 @@ class ThroughputLogger(pl.Callback):
             dt = max(now - self._last_time, 1e-9) / (step - self._last_step)
             seqs = self.global_batch_size / dt
             self.last_tokens_per_sec = seqs * self.seq_length
-            pl_module.log("throughput/seqs_per_sec", seqs, on_step=True, rank_zero_only=False)
-            pl_module.log("throughput/tokens_per_sec", self.last_tokens_per_sec, on_step=True,
+            # CPU tensors: Lightning would put a Python float on the module's device (a lazy op on XLA)
+            pl_module.log("throughput/seqs_per_sec", torch.tensor(seqs), on_step=True, rank_zero_only=False)
+            pl_module.log("throughput/tokens_per_sec", torch.tensor(self.last_tokens_per_sec), on_step=True,
                           prog_bar=True, rank_zero_only=False)
         self._last_time, self._last_step = now, step
 
@@ -93,6 +95,10 @@ class MetricsPrinter(pl.Callback):
     ``loss`` is the mean of ``reduced_train_loss`` (the DP-mean of a step's micro-batch losses) over the steps
     since the previous line, as Megatron's training log averages over its log interval; TensorBoard keeps the
     per-step values. The other figures are those of the step printed.
+
+    No device value is read back between printed lines: each step's loss tensor is kept by reference and the
+    interval's values are converted to numbers only when a line is printed (one host sync per line, not per
+    step; on XLA no extra graph either, as the values are already computed).
     """
 
     KEYS = (("lr", "lr", "{:.3e}"), ("gradient_norm", "grad_norm", "{:.3f}"), ("parameter_norm", "param_norm",
@@ -103,8 +109,7 @@ class MetricsPrinter(pl.Callback):
         self.log_every_n_steps = log_every_n_steps
         self.max_steps = max_steps
         self._last_step: Optional[int] = None
-        self._loss_sum = 0.0
-        self._loss_steps = 0
+        self._losses: list[Any] = []  # reduced_train_loss of each step since the last line (tensors or numbers)
         self.printed_losses: list[tuple[int, float]] = []  # (step, mean loss) of every printed line
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
@@ -118,19 +123,18 @@ class MetricsPrinter(pl.Callback):
             return
         metrics = trainer.callback_metrics
         if "reduced_train_loss" in metrics:
-            self._loss_sum += float(metrics["reduced_train_loss"])
-            self._loss_steps += 1
+            self._losses.append(metrics["reduced_train_loss"])
         if step % self.log_every_n_steps != 0 and step != self.max_steps:
             return
         parts = [f"step {step}/{self.max_steps}"]
-        if self._loss_steps:
-            mean = self._loss_sum / self._loss_steps
+        if self._losses:
+            mean = sum(float(v) for v in self._losses) / len(self._losses)
             self.printed_losses.append((step, mean))
             parts.append(f"loss {mean:.4f}")
         for key, label, fmt in self.KEYS:
             if key in metrics:
                 parts.append(f"{label} {fmt.format(float(metrics[key]))}")
-        self._loss_sum, self._loss_steps = 0.0, 0
+        self._losses = []
         log.info(" | ".join(parts))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -12,6 +12,14 @@ Context parallelism (``context_parallel_size > 1``): each micro-batch is sharded
 step boundary (:meth:`_context_parallel_shard`, ring head-tail or Ulysses contiguous layout), and each CP rank's
 loss is ``local token-loss sum x cp / all CP ranks' token count``, so the DP x CP gradient average is the
 gradient of the micro-batch's token mean (:func:`nxd_lc.context.context_parallel_loss`).
+
+Static graphs (torch-xla / Neuron; README "XLA"): nothing in a step reads a device value back to the host
+(no ``.item()``, no printing, no Python branch on a tensor value), and metric tensors are computed inside the
+step and logged without ``prog_bar`` (Lightning converts progress-bar values to Python numbers every batch).
+Loggers and :class:`~nxd_lc.lightning.callbacks.MetricsPrinter` read them back only every
+``log_every_n_steps``. On XLA the lazy graph is cut at three step boundaries, all through
+:meth:`NxDLanguageModel._step_boundary` (the one caller of :func:`nxd_lc.runtime.xla.sync`): after each
+micro-batch's backward, after the optimizer step and its metrics, and after each validation step.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, sha
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.optim import build_optimizer, build_scheduler
+from nxd_lc.runtime import xla as xla_runtime
 
 
 class NxDLanguageModel(pl.LightningModule):
@@ -50,6 +59,16 @@ class NxDLanguageModel(pl.LightningModule):
         self._loss_count = 0
         self._grad_norm: Optional[torch.Tensor] = None
         self._val_loss_sum: Optional[torch.Tensor] = None
+
+    # ---- lazy-graph step boundaries -------------------------------------------------------------------------
+    def _step_boundary(self) -> None:
+        """Cut the lazy graph on XLA (:func:`nxd_lc.runtime.xla.sync`); a no-op on CPU/CUDA."""
+        if self.device.type == "xla":
+            xla_runtime.sync()
+
+    def on_after_backward(self) -> None:
+        """Micro-batch boundary: forward + backward (+ gradient accumulation) form one graph."""
+        self._step_boundary()
 
     # ---- forward / loss -------------------------------------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -98,15 +117,17 @@ class NxDLanguageModel(pl.LightningModule):
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted validation loss; reduced over DP x CP in :meth:`on_validation_epoch_end`."""
         loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
-        pair = torch.stack([loss_sum.detach().float(), torch.as_tensor(num_tokens, dtype=torch.float32)])
+        tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
+        pair = torch.stack([loss_sum.detach().float(), tokens])
         self._val_loss_sum = pair if self._val_loss_sum is None else self._val_loss_sum + pair
+        self._step_boundary()
 
     def on_validation_epoch_start(self) -> None:
         self._val_loss_sum = None
 
     def on_validation_epoch_end(self) -> None:
         """Log ``val_loss``: token-weighted mean over all validation batches of all DP ranks."""
-        pair = self._val_loss_sum if self._val_loss_sum is not None else torch.zeros(2)
+        pair = self._val_loss_sum if self._val_loss_sum is not None else torch.zeros(2, device=self.device)
         pair = collectives.all_reduce(pair.clone(), ps.get_data_parallel_group(with_context_parallel=True))
         val_loss = pair[0] / torch.clamp(pair[1], min=1.0)
         self.log("val_loss", val_loss, prog_bar=True, rank_zero_only=False, sync_dist=False)
@@ -142,25 +163,29 @@ class NxDLanguageModel(pl.LightningModule):
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
                        optimizer_closure: Optional[Callable[[], Any]] = None) -> None:
-        """Step, then advance consumed samples and log the step's metrics."""
+        """Step, then advance consumed samples and log the step's metrics (device tensors, not read back here),
+        then cut the lazy graph on XLA so that callbacks reading metrics find them computed."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
         self._advance_samples_fn(self.cfg.data.global_batch_size)
         self._log_step_metrics(optimizer)
+        self._step_boundary()
 
     def _log_step_metrics(self, optimizer: Any) -> None:
+        """Log the step's metrics. Device tensors (loss, norms) stay on the device and off the progress bar;
+        host values (lr, consumed samples, step) are CPU tensors, so logging them never touches the device."""
         em = self.cfg.exp_manager
         if self._loss_acc is not None:
             loss = self._loss_acc / max(self._loss_count, 1)
             loss = collectives.all_reduce(loss.clone(), ps.get_data_parallel_group(with_context_parallel=True))
             loss = loss / ps.get_data_parallel_world_size(with_context_parallel=True)
-            self.log("reduced_train_loss", loss, prog_bar=True, rank_zero_only=False)
+            self.log("reduced_train_loss", loss, prog_bar=False, rank_zero_only=False)
         self._loss_acc, self._loss_count = None, 0
         self.log("lr", torch.tensor(optimizer.param_groups[0]["lr"]), prog_bar=True, rank_zero_only=False)
         self.log("consumed_samples", torch.tensor(float(self._consumed_samples_fn())), prog_bar=False,
                  rank_zero_only=False)
         self.log("global_step", torch.tensor(float(self.trainer.global_step)), rank_zero_only=False)
         if em.log_gradient_norm and self._grad_norm is not None:
-            self.log("gradient_norm", self._grad_norm, prog_bar=True, rank_zero_only=False)
+            self.log("gradient_norm", self._grad_norm, prog_bar=False, rank_zero_only=False)
         if em.log_parameter_norm:
             self.log("parameter_norm", grads.global_param_norm(self.trainable_parameters()), rank_zero_only=False)
 

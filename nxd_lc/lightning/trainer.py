@@ -11,7 +11,7 @@ from nxd_lc.config.validate import data_parallel_size, seq_length
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.strategy import NxDStrategy
-from nxd_lc.runtime.device import RuntimeInfo
+from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
 
 
 def gradient_accumulation_steps(cfg: NxdConfig) -> int:
@@ -19,11 +19,25 @@ def gradient_accumulation_steps(cfg: NxdConfig) -> int:
     return cfg.data.global_batch_size // (cfg.data.micro_batch_size * data_parallel_size(cfg))
 
 
+def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
+    """``accelerator`` / ``strategy`` / precision arguments: NxD strategy on CPU/CUDA, its XLA variant with the
+    XLA accelerator and precision plugin on xla/neuron (:mod:`nxd_lc.lightning.xla`)."""
+    em = cfg.exp_manager
+    ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16)
+    if is_xla_accelerator(runtime.accelerator):
+        from nxd_lc.lightning.xla import NxDXLAAccelerator, NxDXLAPrecision, NxDXLAStrategy
+
+        return dict(accelerator=NxDXLAAccelerator(), strategy=NxDXLAStrategy(**ckpt), plugins=[NxDXLAPrecision()])
+    strategy = NxDStrategy(**ckpt, process_group_backend=runtime.backend)
+    return dict(accelerator=runtime.accelerator, strategy=strategy, precision="32-true")
+
+
 def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overrides: Any) -> pl.Trainer:
     """A ``pl.Trainer`` honouring ``trainer.*`` and ``exp_manager.*``.
 
     Gradient accumulation comes from ``global_batch_size``; Lightning's distributed sampler is off (the data
-    module slices by DP rank); precision is fp32 ("32-true") until the precision issue.
+    module slices by DP rank); precision is fp32 ("32-true") until the precision issue. On xla/neuron the
+    accelerator, strategy and precision plugin are nxd_lc's XLA ones (:func:`_backend_kwargs`).
 
     Args:
         cfg: validated config.
@@ -41,16 +55,13 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overr
     accumulation = gradient_accumulation_steps(cfg)
     # NxDT counts an int val_check_interval in optimizer steps; Lightning counts training batches (micro-batches)
     val_check = t.val_check_interval * accumulation if isinstance(t.val_check_interval, int) else t.val_check_interval
-    em = cfg.exp_manager
-    strategy = NxDStrategy(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
-                           process_group_backend=runtime.backend)
     kwargs: dict[str, Any] = dict(
-        accelerator=runtime.accelerator, devices=t.devices, num_nodes=t.num_nodes, strategy=strategy,
+        **_backend_kwargs(cfg, runtime), devices=t.devices, num_nodes=t.num_nodes,
         max_epochs=t.max_epochs, max_steps=t.max_steps, log_every_n_steps=t.log_every_n_steps,
         val_check_interval=val_check, check_val_every_n_epoch=t.check_val_every_n_epoch,
         num_sanity_val_steps=t.num_sanity_val_steps, limit_val_batches=t.limit_val_batches,
         limit_test_batches=t.limit_test_batches, gradient_clip_val=t.gradient_clip_val,
-        accumulate_grad_batches=accumulation, precision="32-true",
+        accumulate_grad_batches=accumulation,
         logger=loggers if loggers else False, callbacks=callbacks, enable_checkpointing=ckpt is not None,
         use_distributed_sampler=False, enable_progress_bar=t.enable_progress_bar,
         enable_model_summary=False, default_root_dir=paths.log_dir,

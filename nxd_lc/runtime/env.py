@@ -63,6 +63,7 @@ def desired_env(cfg: NxdConfig) -> list[tuple[str, str, str]]:
         ("async_exec_max_inflight_requests", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
          cfg.async_exec_max_inflight_requests),
         ("bucket_size_collectives", "BUCKET_CAP_MB", cfg.bucket_size_collectives),
+        ("trainer.lnc", "NEURON_LOGICAL_NC_CONFIG", cfg.trainer.lnc),
         ("neuron_rt_exec_timeout", "NEURON_RT_EXEC_TIMEOUT", cfg.neuron_rt_exec_timeout),
         ("neuron_experimental_compress_rg", "NEURON_EXPERIMENTAL_COMPRESS_RG",
          None if cfg.neuron_experimental_compress_rg is None else _bool_str(cfg.neuron_experimental_compress_rg)),

@@ -20,8 +20,11 @@ Dispatch (all in :func:`core_attention`, in this order):
    Document masking (packed documents attend only within themselves, as ProLong, Gao et al. 2024,
    arXiv:2410.02660) runs SDPA once per document: q/k/v are split along S at the boundaries read from
    ``segment_ids``. Reading the boundaries is one device -> host copy of ``segment_ids`` per call (fine on
-   CPU/CUDA; the XLA path must instead use a kernel that takes the segment ids, e.g. NKI flash attention).
-   Memory stays O(S) per document; FLOPs drop to ``sum(len_doc^2)``.
+   CPU/CUDA). Memory stays O(S) per document; FLOPs drop to ``sum(len_doc^2)``.
+   On XLA (q on an ``xla`` device) that copy would be a host sync and the split shapes would change the graph
+   with every batch, so document masking is one SDPA call with a boolean ``[B, 1, S, S]`` mask built on the
+   device from ``segment_ids`` (``same document AND causal``): fixed shapes, no host sync, one graph for any
+   document lengths (:func:`document_mask`).
 3. ``flash_attention=False``: the explicit reference ``softmax(Q K^T * scale + mask) V`` (Vaswani et al.
    2017) with the softmax in float32, as HF's ``eager_attention_forward``; it materialises the
    ``[B, Hq, S, S]`` scores and the ``[B, 1, S, S]`` causal/document mask.
@@ -117,6 +120,22 @@ def _flash_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_
     return torch.cat(outs, dim=0)
 
 
+def document_mask(segment_ids: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Boolean ``[B, 1, S, S]`` "may attend" mask from ``segment_ids [B, S]``: same document (and key <= query
+    when ``causal``). Built with device tensor ops only (no host sync, shape independent of the documents)."""
+    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, S, S]
+    if causal:
+        s = segment_ids.shape[1]
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()[None, None]
+    return allowed
+
+
+def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor, scale: float,
+                 causal: bool) -> torch.Tensor:
+    """Document-masked SDPA in one call with a boolean mask (the XLA path: static shapes, no host sync)."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(segment_ids, causal), scale=scale)
+
+
 def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
                      segment_ids: torch.Tensor | None) -> torch.Tensor:
     """Reference path: materialises the [B, Hq, S, S] scores and a [B|1, 1, S, S] boolean mask; fp32 softmax."""
@@ -184,6 +203,8 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         return _eager_attention(q, k, v, scale, causal, segment_ids)
     if segment_ids is None:
         return _sdpa(q, k, v, scale, causal)
+    if q.device.type == "xla":  # lazy tensors: no host read of the boundaries, no data-dependent shapes
+        return _sdpa_masked(q, k, v, segment_ids, scale, causal)
     return _flash_documents(q, k, v, segment_ids, scale, causal)
 
 

@@ -1,0 +1,157 @@
+"""torch-xla runtime: availability probes, the XLA device, THE step synchronisation, and graph statistics.
+
+On Trainium nxd_lc runs on torch-xla: tensors are lazy, operations are recorded into a graph, and the graph is
+compiled (a Neuron compile: minutes) and executed when the step is cut by :func:`sync`. Every distinct graph costs
+one compile, so the training step must produce a fixed set of graphs (static-graph discipline, README "XLA").
+
+* :func:`sync` is the only place in nxd_lc that cuts a graph (``torch_xla.sync()``, torch-xla >= 2.6, else
+  ``xm.mark_step()``); the XLA Lightning strategy (:mod:`nxd_lc.lightning.xla`) calls it at the step boundaries.
+* torch-xla is an optional dependency (the ``xla`` extra): nothing here imports it at module import time, so the
+  module imports on the default CPU/CUDA stack, and the probes return False there.
+* ``neuron`` = xla + the Neuron specifics, when ``torch_neuronx`` is importable. The ``torch-neuronx`` wheels on
+  PyPI are placeholders whose import raises ImportError; the real ones come from the Neuron repository.
+
+Graph statistics come from ``torch_xla.debug.metrics``: the ``CompileTime`` metric's sample count is the number
+of graphs compiled by this process, ``ExecuteTime``'s the number of graph executions, and
+``TransferFromDeviceTime``'s the number of device -> host read-backs (``.item()``, ``.cpu()``, printing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=1)
+def torch_xla_available() -> bool:
+    """True when ``torch_xla`` imports (the ``xla`` extra, or torch-neuronx's stack on Trainium)."""
+    if importlib.util.find_spec("torch_xla") is None:
+        return False
+    try:
+        importlib.import_module("torch_xla")
+    except (ImportError, RuntimeError, OSError) as e:  # a broken install is "not available", with a reason
+        log.warning("torch_xla is installed but does not import (%s); XLA backends are unavailable", e)
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=1)
+def neuron_available() -> bool:
+    """True when ``torch_neuronx`` imports (real Neuron SDK). PyPI's placeholder raises ImportError -> False."""
+    if importlib.util.find_spec("torch_neuronx") is None:
+        return False
+    try:
+        importlib.import_module("torch_neuronx")
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return torch_xla_available()
+
+
+def require_torch_xla(what: str) -> None:
+    """Raise a clear error when torch-xla is missing.
+
+    Raises:
+        ModuleNotFoundError: naming ``what`` needed it and how to install it.
+    """
+    if not torch_xla_available():
+        raise ModuleNotFoundError(
+            f"{what} needs torch-xla: install the xla extra into a torch 2.9 environment "
+            "(pip install -c constraints-xla.txt -e '.[xla]') and set PJRT_DEVICE (CPU off Trainium, NEURON on it)"
+        )
+
+
+def xla_device() -> torch.device:
+    """This process's XLA device (``xla:0`` under torchrun / PJRT: one device per process).
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("the XLA device")
+    import torch_xla
+
+    if hasattr(torch_xla, "device"):  # torch-xla >= 2.5
+        return torch_xla.device()
+    import torch_xla.core.xla_model as xm
+
+    return xm.xla_device()
+
+
+def is_xla_tensor(t: torch.Tensor) -> bool:
+    """True when ``t`` lives on an XLA device (lazy tensor)."""
+    return t.device.type == "xla"
+
+
+def sync(wait: bool = False) -> None:
+    """Cut the pending lazy graph, compile it (once per distinct graph) and launch its execution.
+
+    The single step-synchronisation point of nxd_lc (module docstring). A no-op without torch-xla.
+
+    Args:
+        wait: block until the execution has finished (used before timing or host-side checkpoint reads).
+    """
+    if not torch_xla_available():
+        return
+    import torch_xla
+
+    if hasattr(torch_xla, "sync"):  # torch-xla >= 2.6
+        torch_xla.sync(wait=wait)
+        return
+    import torch_xla.core.xla_model as xm
+
+    xm.mark_step(wait=wait)
+
+
+def xla_process_group_backend() -> str:
+    """Register torch-xla's ``xla`` torch.distributed backend and return its name ('xla').
+
+    The ``xla`` process group runs collectives as XLA collective ops inside the graph (multi-device XLA:
+    Trainium, TPU). On XLA-CPU only one device exists, so multi-process XLA-CPU is not possible.
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("the 'xla' process-group backend")
+    importlib.import_module("torch_xla.distributed.xla_backend")  # registers the backend with torch.distributed
+    return "xla"
+
+
+@dataclass(frozen=True)
+class GraphStats:
+    """Counters of this process's lazy-graph activity (from ``torch_xla.debug.metrics``)."""
+
+    compiles: int  # graphs compiled (``CompileTime`` samples); each is a Neuron compile on Trainium
+    executions: int  # graph executions (``ExecuteTime`` samples)
+    transfers_from_device: int  # device -> host read-backs (``TransferFromDeviceTime`` samples)
+    cached_compiles: int  # graphs found in the in-memory compile cache (``CachedCompile`` counter)
+
+    def __sub__(self, other: GraphStats) -> GraphStats:
+        """Counter differences ``self - other`` (activity between two snapshots)."""
+        return GraphStats(self.compiles - other.compiles, self.executions - other.executions,
+                          self.transfers_from_device - other.transfers_from_device,
+                          self.cached_compiles - other.cached_compiles)
+
+
+def _metric_count(met: object, name: str) -> int:
+    data = met.metric_data(name)  # type: ignore[attr-defined]
+    return int(data[0]) if data else 0
+
+
+def graph_stats() -> GraphStats:
+    """Snapshot of :class:`GraphStats` for this process.
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("graph statistics")
+    import torch_xla.debug.metrics as met
+
+    return GraphStats(compiles=_metric_count(met, "CompileTime"), executions=_metric_count(met, "ExecuteTime"),
+                      transfers_from_device=_metric_count(met, "TransferFromDeviceTime"),
+                      cached_compiles=int(met.counter_value("CachedCompile") or 0))
