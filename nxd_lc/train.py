@@ -154,6 +154,7 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
 
 def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     from nxd_lc.context import set_context_parallel_algo
+    from nxd_lc.models.common.attention import set_nki_options
     from nxd_lc.data.datamodule import PretrainingDataModule
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
@@ -168,6 +169,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
                                  context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
     set_context_parallel_algo(ds.context_parallel_algo)
+    set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)
     paths = exp_manager.experiment_paths(cfg)
     exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
     if runtime.rank == 0:

@@ -7,6 +7,7 @@ in for it, and strictly checks the layouts it receives.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -163,3 +164,30 @@ def test_off_neuron_falls_back_to_sdpa(transpose_nki_inputs: bool) -> None:
     q, k, v = _qkv()
     flash_attention(q, k, v, kernels=kernels, lnc=1)
     assert len(kernels.fwd.launches) == 1
+
+
+@pytest.mark.parametrize("transpose_nki_inputs", [True, False])
+def test_attention_dispatch_calls_the_kernel_on_the_xla_path(monkeypatch: pytest.MonkeyPatch,
+                                                             transpose_nki_inputs: bool) -> None:
+    """The XLA flash branch of the attention dispatch hands q/k/v to the (substitute) kernel in the layout
+    ``model.transpose_nki_inputs`` selects and equals SDPA; packed batches fall back to masked SDPA."""
+    from nxd_lc.models.common import attention, nki
+
+    calls: list[int] = []
+    kernels = _kernels()
+    counting = NkiKernels(fwd=_Kernel(lambda *a, **kw: (calls.append(1), _fwd(*a, **kw))[1]), bwd=kernels.bwd,
+                          make_config=kernels.make_config, nc=kernels.nc)
+    monkeypatch.setattr(nki, "load_nki_kernels", lambda: counting)
+    attention.set_nki_options(transpose_nki_inputs, lnc=1)
+    q, k, v = _qkv(hq=2, hkv=2)
+    out = attention._xla_flash(q, k, v, None, 1.0 / math.sqrt(q.shape[-1]), True)
+    assert calls and out.shape == q.shape
+    torch.testing.assert_close(out, _sdpa(q, k, v), atol=1e-5, rtol=0)
+    seg = torch.zeros(q.shape[0], q.shape[2], dtype=torch.int32)
+    seg[:, q.shape[2] // 2:] = 1
+    calls.clear()
+    masked = attention._xla_flash(q, k, v, seg, 1.0 / math.sqrt(q.shape[-1]), True)
+    assert not calls
+    ref = attention.local_attention(q, k, v, scale=1.0 / math.sqrt(q.shape[-1]), segment_ids=seg)
+    torch.testing.assert_close(masked, ref, atol=1e-5, rtol=0)
+    attention.set_nki_options(True, None)

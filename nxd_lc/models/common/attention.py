@@ -35,6 +35,7 @@ query sees at least itself, so no row of the softmax is empty).
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_lc.distributed import parallel_state
+
+log = logging.getLogger(__name__)
 
 __all__ = ["CoreAttention", "core_attention", "document_lengths", "repeat_kv"]
 
@@ -201,11 +204,47 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     k, v = repeat_kv(k, num_rep), repeat_kv(v, num_rep)
     if not flash_attention:
         return _eager_attention(q, k, v, scale, causal, segment_ids)
+    if q.device.type == "xla":
+        return _xla_flash(q, k, v, segment_ids, scale, causal)
     if segment_ids is None:
         return _sdpa(q, k, v, scale, causal)
-    if q.device.type == "xla":  # lazy tensors: no host read of the boundaries, no data-dependent shapes
-        return _sdpa_masked(q, k, v, segment_ids, scale, causal)
     return _flash_documents(q, k, v, segment_ids, scale, causal)
+
+
+_NKI_OPTIONS: dict[str, object] = {"transpose_nki_inputs": True, "lnc": None}
+_warned_nki_documents = False
+
+
+def set_nki_options(transpose_nki_inputs: bool, lnc: int | None) -> None:
+    """Set ``model.transpose_nki_inputs`` and ``trainer.lnc`` for the NKI kernel path (called once at startup)."""
+    _NKI_OPTIONS.update(transpose_nki_inputs=bool(transpose_nki_inputs), lnc=lnc)
+
+
+def _xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None, scale: float,
+               causal: bool) -> torch.Tensor:
+    """XLA flash path: the NKI kernel on Neuron (``neuronxcc`` importable), else one SDPA call.
+
+    Lazy tensors: no host read of document boundaries and no data-dependent shapes. Document masking uses a
+    boolean [B,1,S,S] mask built on the device (the NKI kernel takes no segment ids, so on Neuron a packed batch
+    with document masking falls back to that masked SDPA, with a one-time warning).
+    """
+    global _warned_nki_documents
+    from nxd_lc.models.common import nki
+
+    kernels = nki.load_nki_kernels()
+    if segment_ids is not None:
+        if kernels is not None and not _warned_nki_documents:
+            _warned_nki_documents = True
+            log.warning("NKI flash attention has no document masking: packed batches use masked SDPA (O(L^2) "
+                        "memory); set data.cross_document_attention: true to use the NKI kernel")
+        return _sdpa_masked(q, k, v, segment_ids, scale, causal)
+    if kernels is None:
+        return _sdpa(q, k, v, scale, causal)
+    transpose = bool(_NKI_OPTIONS["transpose_nki_inputs"])
+    if transpose:  # the kernel's [B, H, D, S] layout, as NxD's model hands it over
+        q, k, v = (t.transpose(2, 3) for t in (q, k, v))
+    return nki.flash_attention(q, k, v, scale=scale, causal=causal, transpose_nki_inputs=transpose,
+                               lnc=_NKI_OPTIONS["lnc"], kernels=kernels)  # type: ignore[arg-type]
 
 
 class CoreAttention(nn.Module):
