@@ -16,7 +16,7 @@ XLA_PIP  := $(XLA_PY) -m pip install -q -c constraints-xla.txt
 XLA_DEPS := pyproject.toml constraints-xla.txt
 
 # The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
-TEST_LANES ?= test-fast
+TEST_LANES ?= test-fast test-xla
 
 .PHONY: demo test test-fast test-xla install install-dev install-xla lint clean-runs
 

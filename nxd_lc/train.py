@@ -154,16 +154,20 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
 
 def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     from nxd_lc.context import set_context_parallel_algo
-    from nxd_lc.models.common.attention import set_nki_options
     from nxd_lc.data.datamodule import PretrainingDataModule
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
     from nxd_lc.lightning.module import NxDLanguageModel
     from nxd_lc.lightning.trainer import build_trainer
+    from nxd_lc.models.common.attention import set_nki_options
     from nxd_lc.runtime.device import init_distributed, resolve_accelerator
+    from nxd_lc.runtime.prewarm import begin_graph_recording, end_graph_recording
 
     env_entries = apply_env(cfg)  # before any runtime initialises
-    runtime = init_distributed(resolve_accelerator(cfg.trainer.accelerator))
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    # xla/neuron: record the compiled graphs (prewarm manifest, or the check against it), before the first compile
+    graph_record = begin_graph_recording(cfg, accelerator, int(os.environ.get("RANK", "0")))
+    runtime = init_distributed(accelerator)
     ds = cfg.distributed_strategy
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
@@ -192,6 +196,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
     trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
     return trainer
 
 

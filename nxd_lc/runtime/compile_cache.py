@@ -14,6 +14,17 @@ per-process directory, so after the run the directory's file names are exactly t
 compiled. A fresh directory per run is required on XLA-CPU, whose persistent cache cannot deserialize
 executables ("Deserializing serialized executable not supported"): nothing is ever read back from it.
 
+Where the recording goes and why it does not disturb the real cache (decided for issue 4): a training or prewarm
+run on xla / neuron records on global rank 0 into a fresh ``<compiler_cache_url>/nxd_lc_graphs/run-<time>-<pid>``
+(:func:`nxd_lc.runtime.prewarm.begin_graph_recording`), deleted once its file names are read. On Neuron the
+real persistent compile cache is the Neuron compiler's NEFF cache at ``NEURON_COMPILE_CACHE_URL``
+(``compiler_cache_url``; libneuronxla's ``neuronxcc-<ver>/MODULE_<hash>/model.neff`` entries), a separate layer
+that torch-xla's persistent cache does not replace, so recording leaves it working; torch-xla 2.9 cannot load
+its own serialized executables back through a PJRT plugin (CPU, TPU, Neuron: pytorch/xla#9094), so a per-run
+torch-xla cache loses nothing. A user who set ``XLA_PERSISTENT_CACHE_PATH`` keeps it: recording is then off
+(one info line). Recording on Trainium is untested here (no Trainium host): the extra cost is writing one
+serialized executable per graph, once per graph.
+
 Manifest file ``<compiler_cache_url>/nxd_lc_graph_manifest.json``::
 
     {"version": 1, "graphs": ["<hash>", ...], "steps": <int>, "config_name": "<name>"}
@@ -92,7 +103,7 @@ def write_manifest(path: str, graphs: Sequence[str], *, steps: int, config_name:
     """Write the manifest JSON at ``path`` (directory created; atomic replace of an existing manifest)."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     body = {"version": _VERSION, "graphs": sorted(set(graphs)), "steps": steps, "config_name": config_name}
-    tmp = path + ".tmp"
+    tmp = f"{path}.{os.getpid()}.tmp"  # per process: concurrent writers never share a temporary file
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(body, f, indent=1)
     os.replace(tmp, path)
@@ -141,7 +152,8 @@ def compare_graphs(run_graphs: Sequence[str], manifest_graphs: Sequence[str]) ->
 def check_manifest(path: str, run_graphs: Sequence[str]) -> Optional[ManifestCheck]:
     """Compare ``run_graphs`` with the manifest at ``path``, log hits/misses and warn per unseen graph.
 
-    Returns None (with a warning saying how to prewarm) when there is no manifest.
+    Returns None (with one info line saying how to prewarm) when there is no manifest: a run without a prewarm is
+    normal, not a problem.
 
     Raises:
         ValueError: the manifest is malformed (see :func:`read_manifest`).
@@ -149,7 +161,7 @@ def check_manifest(path: str, run_graphs: Sequence[str]) -> Optional[ManifestChe
     try:
         seen = read_manifest(path)
     except FileNotFoundError as e:
-        log.warning("%s", e)
+        log.info("%s", e)
         return None
     result = compare_graphs(run_graphs, seen)
     log.info("graph manifest %s: %d hit(s), %d miss(es), %d prewarmed graph(s) unused", path, len(result.hits),

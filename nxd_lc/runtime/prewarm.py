@@ -6,15 +6,35 @@ into the compile cache before the real run; on Neuron this is what ``neuron_para
 writes the manifest of the graph hashes it compiled beside the cache
 (:mod:`nxd_lc.runtime.compile_cache`); the next training run checks its graphs against it.
 
-How many steps: the step graph changes after the first optimizer step (the optimizer state appears) and on
-logging steps (read-backs every ``trainer.log_every_n_steps``), so the prewarm runs
-``max(PREWARM_MIN_STEPS, log_every_n_steps + 1)`` steps, capped at ``trainer.max_steps``.
+Which steps (measured on XLA-CPU, ``tests/test_prewarm.py``): a training run compiles new graphs at the first
+two optimizer steps (the optimizer state appears), at the first logging step (read-backs every
+``trainer.log_every_n_steps`` = L), at the first validation, at the first step after it, and again at the first
+validation that falls on a logging step (or off one, whichever came second) and the step after that; the
+pattern of validation steps relative to logging steps repeats every ``lcm(L, V)`` steps (V the integer
+``trainer.val_check_interval``). Checkpoint saves compile nothing: they follow a step's sync, so parameters and
+optimizer state are materialized device data and the host copies are transfers. So the prewarm runs:
+
+* without validation (``limit_val_batches: 0`` or a fractional ``val_check_interval``):
+  ``max(PREWARM_MIN_STEPS, L + 1)`` steps;
+* with validation every V steps: ``V + lcm(L, V) + 1`` steps (every validation/logging combination of the run,
+  and the step after each). When that exceeds ``trainer.max_steps`` the prewarm is the whole schedule with V
+  unchanged; otherwise V is first shortened to ``V'``, the smallest interval >= 3 with ``V' = V (mod L)`` (same
+  validation/logging pattern, so the same graphs, in fewer steps: V' >= 3 keeps a plain step between a
+  step-after-validation and the next validation) and the prewarm runs ``V' + lcm(L, V') + 1`` steps.
+
+The step count is capped at ``trainer.max_steps``. Not covered: how the last step of the run falls relative to
+L and V can add graphs read back at the end of fit (once, after the last step), and fractional
+``val_check_interval`` validations (at epoch ends) are covered only when an epoch ends within the prewarm.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import math
+import os
+import shutil
+import time
 from typing import Any, Callable, Optional
 
 from nxd_lc.config.schema import NxdConfig
@@ -23,34 +43,74 @@ from nxd_lc.runtime.compile_cache import (
     check_manifest,
     manifest_path,
     recorded_graphs,
+    start_graph_recording,
     write_manifest,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = ["PREWARM_MIN_STEPS", "check_run_graphs", "finish_prewarm", "prewarm_config", "prewarm_steps", "run_prewarm"]
+__all__ = ["GRAPH_RECORD_SUBDIR", "PREWARM_MIN_STEPS", "begin_graph_recording", "check_run_graphs",
+           "end_graph_recording", "finish_prewarm", "prewarm_config", "prewarm_schedule", "prewarm_steps",
+           "run_prewarm"]
+
+#: Sub-directory of ``compiler_cache_url`` holding the per-run graph record directories.
+GRAPH_RECORD_SUBDIR = "nxd_lc_graphs"
 
 #: Fewest optimizer steps of a prewarm: step 1 (no optimizer state yet), step 2 (state exists), one more.
 PREWARM_MIN_STEPS = 3
 
 
+def _validation_interval(cfg: NxdConfig) -> Optional[int]:
+    """The run's integer validation interval in optimizer steps, or None when no periodic validation runs."""
+    t = cfg.trainer
+    v = t.val_check_interval
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0 or t.limit_val_batches in (0, 0.0):
+        return None
+    return v
+
+
+def _steps_covering(log_every: int, val_every: int) -> int:
+    """``V + lcm(L, V) + 1``: through every validation/logging combination of the run and the step after it."""
+    return val_every + math.lcm(log_every, val_every) + 1
+
+
+def prewarm_schedule(cfg: NxdConfig) -> tuple[int, Optional[int]]:
+    """``(optimizer steps, validation interval)`` of the prewarm of ``cfg`` (module docstring).
+
+    The interval is None when the run has no periodic validation (then the config's value is kept).
+    """
+    max_steps = cfg.trainer.max_steps if cfg.trainer.max_steps is not None and cfg.trainer.max_steps > 0 else None
+    log_every = max(1, cfg.trainer.log_every_n_steps)
+    steps, val = max(PREWARM_MIN_STEPS, log_every + 1), _validation_interval(cfg)
+    if val is not None:
+        if max_steps is None or _steps_covering(log_every, val) < max_steps:
+            if val > PREWARM_MIN_STEPS:  # the smallest interval >= 3 with the same residue mod L
+                val -= log_every * ((val - PREWARM_MIN_STEPS) // log_every)
+            steps = max(steps, _steps_covering(log_every, val))
+        else:
+            steps = max_steps
+    if max_steps is not None:
+        steps = min(steps, max_steps)
+    return max(1, steps), val
+
+
 def prewarm_steps(cfg: NxdConfig) -> int:
     """Optimizer steps of the prewarm of ``cfg`` (module docstring); at least 1."""
-    steps = max(PREWARM_MIN_STEPS, cfg.trainer.log_every_n_steps + 1)
-    if cfg.trainer.max_steps is not None and cfg.trainer.max_steps > 0:
-        steps = min(steps, cfg.trainer.max_steps)
-    return max(1, steps)
+    return prewarm_schedule(cfg)[0]
 
 
 def prewarm_config(cfg: NxdConfig) -> NxdConfig:
-    """``cfg`` for the prewarm: :func:`prewarm_steps` steps, no checkpoints, no TensorBoard, no resume.
+    """``cfg`` for the prewarm: :func:`prewarm_schedule`'s steps and validation interval, no checkpoints, no
+    TensorBoard, no resume.
 
-    The model, data, parallel layout and precision are unchanged, so the graphs are the training run's. The
-    original ``cfg`` is not modified.
+    The model, data, parallel layout, precision, ``log_every_n_steps`` and ``limit_val_batches`` are unchanged, so
+    the graphs are the training run's. The original ``cfg`` is not modified.
     """
+    steps, val = prewarm_schedule(cfg)
     em = dataclasses.replace(cfg.exp_manager, create_checkpoint_callback=False, create_tensorboard_logger=False,
                              resume_if_exists=False, resume_from_checkpoint=None)
-    trainer = dataclasses.replace(cfg.trainer, max_steps=prewarm_steps(cfg))
+    trainer = dataclasses.replace(cfg.trainer, max_steps=steps,
+                                  val_check_interval=cfg.trainer.val_check_interval if val is None else val)
     return dataclasses.replace(cfg, exp_manager=em, trainer=trainer)
 
 
@@ -74,29 +134,78 @@ def finish_prewarm(cfg: NxdConfig, record_dir: str, steps: int, config_name: str
 def check_run_graphs(cfg: NxdConfig, record_dir: str) -> Optional[ManifestCheck]:
     """After training: compare the graphs recorded in ``record_dir`` with the prewarm manifest (logs the result).
 
-    Returns None when there is no manifest (a warning says how to make one).
+    Returns None when there is no manifest (one info line says how to make one).
     """
     return check_manifest(manifest_path(cfg.compiler_cache_url), recorded_graphs(record_dir))
 
 
-def run_prewarm(cfg: NxdConfig, fit: Callable[[NxdConfig], Any]) -> Any:
-    """Run the prewarm of ``cfg`` with ``fit`` (the training assembly) and write the manifest.
+def begin_graph_recording(cfg: NxdConfig, accelerator: str, rank: int) -> Optional[str]:
+    """Start recording this process's graphs for the manifest (prewarm or check); return the record directory.
 
-    On ``trainer.accelerator`` xla / neuron the graphs are recorded (:func:`start_graph_recording`) and the
-    manifest is written; on cpu / gpu there are no lazy graphs, so the steps run and no manifest is written
-    (a warning says so). Returns what ``fit`` returns (the Trainer).
+    Call once at startup, after :func:`nxd_lc.runtime.env.apply_env` and before the first graph is compiled.
+    Records on global rank 0 of an xla / neuron run only (the ranks run one program; rank 0's graphs are the
+    manifest), into a fresh ``<compiler_cache_url>/nxd_lc_graphs/run-<time>-<pid>`` (module docstring: why
+    beside the real cache and why it does not disturb it). Returns None, with one info line saying why,
+    when nothing is recorded: cpu / gpu (no lazy graphs), rank != 0, a remote ``compiler_cache_url``
+    (``s3://...``: the manifest needs a local directory), or ``XLA_PERSISTENT_CACHE_PATH`` already set (the
+    user's own torch-xla persistent cache wins; recording would take it over).
 
     Raises:
         ModuleNotFoundError: xla / neuron without torch-xla.
     """
-    from nxd_lc.runtime.compile_cache import start_graph_recording
+    what = "prewarm manifest" if cfg.prewarm else "graph manifest check"
+    if accelerator not in ("xla", "neuron"):
+        if cfg.prewarm:
+            log.warning("prewarm on trainer.accelerator=%s: no lazy graphs to record, no manifest written",
+                        accelerator)
+        return None
+    if rank != 0:
+        return None
+    reason = None
+    if "://" in cfg.compiler_cache_url or not cfg.compiler_cache_url:
+        reason = f"compiler_cache_url={cfg.compiler_cache_url!r} is not a local directory"
+    elif os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
+        reason = (f"XLA_PERSISTENT_CACHE_PATH={os.environ['XLA_PERSISTENT_CACHE_PATH']!r} is set (your torch-xla "
+                  "persistent cache is kept; unset it to record graphs)")
+    if reason:
+        log.info("%s off: %s", what, reason)
+        return None
+    root = os.path.join(os.path.abspath(cfg.compiler_cache_url), GRAPH_RECORD_SUBDIR)
+    record_dir = os.path.join(root, f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
+    return start_graph_recording(record_dir)
 
+
+def end_graph_recording(cfg: NxdConfig, record_dir: Optional[str], steps: int) -> Optional[ManifestCheck]:
+    """After fit: write the manifest (prewarm) or check this run's graphs against it (training run).
+
+    The record directory (serialized executables nobody reads back, see the module docstring) is deleted once its
+    graph hashes are read. ``steps``: optimizer steps run (stored in the manifest). Returns the check of a training
+    run with a manifest, else None. A no-op for ``record_dir`` None.
+
+    Raises:
+        ValueError: the existing manifest is malformed (training run; names the file and the fix).
+    """
+    if record_dir is None:
+        return None
+    try:
+        if cfg.prewarm:
+            finish_prewarm(cfg, record_dir, steps)
+            return None
+        return check_run_graphs(cfg, record_dir)
+    finally:
+        shutil.rmtree(record_dir, ignore_errors=True)
+        try:
+            os.rmdir(os.path.dirname(record_dir))  # the nxd_lc_graphs parent, when no other run is recording
+        except OSError:
+            pass
+
+
+def run_prewarm(cfg: NxdConfig, fit: Callable[[NxdConfig], Any]) -> Any:
+    """Run the prewarm of ``cfg``: ``fit(prewarm_config(cfg))`` (``fit`` is the training assembly, which records
+    the graphs and writes the manifest through :func:`begin_graph_recording` / :func:`end_graph_recording`).
+
+    Returns what ``fit`` returns (the Trainer).
+    """
     pcfg = prewarm_config(cfg)
-    record = start_graph_recording() if cfg.trainer.accelerator in ("xla", "neuron") else None
-    trainer = fit(pcfg)
-    if record is None:
-        log.warning("prewarm on trainer.accelerator=%s: no lazy graphs to record, no manifest written",
-                    cfg.trainer.accelerator)
-    else:
-        finish_prewarm(cfg, record, pcfg.trainer.max_steps or 0)
-    return trainer
+    log.info("prewarm: %d optimizer step(s), no checkpoints, no TensorBoard, no resume", pcfg.trainer.max_steps)
+    return fit(pcfg)
