@@ -19,6 +19,7 @@ def _yarn_cfg(seq: int):
     raw.trainer.devices = 1
     raw.distributed_strategy.context_parallel_size = 1
     raw.model.encoder_seq_length = seq
+    raw.model.hf_weights_dir = None  # the converted demo checkpoint is not part of a clean checkout
     if "seq_length" in raw.data:
         raw.data.seq_length = seq
     return load_config(raw)
