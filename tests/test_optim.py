@@ -3,24 +3,38 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from nxd_lc.config.schema import OptimConfig, SchedConfig
-from nxd_lc.config.validate import IMPLEMENTED_OPTIMIZERS, IMPLEMENTED_SCHEDULERS, OPTIMIZERS, SCHEDULERS
+from nxd_lc.config.validate import (
+    IMPLEMENTED_OPTIMIZERS,
+    IMPLEMENTED_SCHEDULERS,
+    OPTIMIZERS,
+    SCHEDULERS,
+    check_supported,
+    load_config,
+)
 from nxd_lc.optim import (
     OPTIMIZER_BUILDERS,
     SCHEDULE_NAMES,
+    Novograd,
     build_optimizer,
     build_scheduler,
     constant_lr,
     cosine_annealing_lr,
+    exponential_lr,
     is_no_decay_param,
     linear_annealing_with_warmup_lr,
+    noam_annealing_lr,
     param_groups,
+    step_lr,
 )
+
+TINY_JSON = Path(__file__).resolve().parents[1] / "conf" / "tiny_llama_config.json"  # hidden 256
 
 
 class _Block(nn.Module):
@@ -176,10 +190,9 @@ def test_registry_matches_validate() -> None:
     assert SCHEDULE_NAMES == IMPLEMENTED_SCHEDULERS
 
 
-@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in IMPLEMENTED_OPTIMIZERS])
-def test_listed_but_unimplemented_optimizer_errors(name: str) -> None:
-    with pytest.raises(ValueError, match=f"not supported yet: model.optim.name={name}"):
-        build_optimizer(_Block().named_parameters(), OptimConfig(name=name), False)
+def test_every_nemo_name_is_implemented() -> None:
+    assert set(IMPLEMENTED_OPTIMIZERS) == set(OPTIMIZERS)
+    assert set(IMPLEMENTED_SCHEDULERS) == set(SCHEDULERS)
 
 
 def test_unknown_optimizer_and_unusable_settings_error() -> None:
@@ -271,17 +284,10 @@ def test_scheduler_resume_takes_step_from_state_and_schedule_from_config() -> No
     assert opt2.param_groups[0]["lr"] == pytest.approx((22 - 8) / 20)
 
 
-@pytest.mark.parametrize("name", [n for n in SCHEDULERS if n not in IMPLEMENTED_SCHEDULERS])
-def test_listed_but_unimplemented_schedule_errors(name: str) -> None:
-    opt = build_optimizer(_Block().named_parameters(), OptimConfig(), False)
-    with pytest.raises(ValueError, match=f"not supported yet: model.optim.sched.name={name}"):
-        build_scheduler(opt, SchedConfig(name=name), 10)
-
-
 @pytest.mark.parametrize("cfg,max_steps,match", [
     (SchedConfig(name="Cosine"), 10, "unknown schedule 'Cosine'"),
     (SchedConfig(warmup_steps=8, constant_steps=4, name="CosineAnnealing"), 10, "exceeds the schedule length 10"),
-    (SchedConfig(constant_steps=2), 10, "only CosineAnnealing has constant steps"),
+    (SchedConfig(constant_steps=2), 10, "only CosineAnnealing use constant_steps; remove it for Linear"),
     (SchedConfig(name="CosineAnnealing", min_lr=1.0), 10, "model.optim.sched.min_lr"),
     (SchedConfig(), 0, "schedule length must be >= 1"),
     (SchedConfig(warmup_steps=-1), 10, "must be >= 0"),
@@ -290,3 +296,207 @@ def test_bad_schedule_settings_error(cfg: SchedConfig, max_steps: int, match: st
     opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1e-3), False)
     with pytest.raises(ValueError, match=match):
         build_scheduler(opt, cfg, max_steps)
+
+
+# ------------------------------------------------------------------------------- more NeMo optimizers (issue 5)
+
+@pytest.mark.parametrize("name,kwargs,cls,expected", [
+    ("adadelta", {"rho": 0.8, "eps": 1e-6, "weight_decay": 0.1}, torch.optim.Adadelta,
+     {"rho": 0.8, "eps": 1e-6}),
+    ("adamax", {"betas": [0.8, 0.9]}, torch.optim.Adamax, {"betas": (0.8, 0.9)}),
+    ("adagrad", {"lr_decay": 0.01, "initial_accumulator_value": 0.5}, torch.optim.Adagrad,
+     {"lr_decay": 0.01, "initial_accumulator_value": 0.5}),
+    ("rmsprop", {"alpha": 0.9, "momentum": 0.5, "centered": True}, torch.optim.RMSprop,
+     {"alpha": 0.9, "momentum": 0.5, "centered": True}),
+    ("rprop", {"etas": [0.4, 1.3], "step_sizes": [1e-5, 10.0]}, torch.optim.Rprop,
+     {"etas": (0.4, 1.3), "step_sizes": (1e-5, 10.0)}),
+    ("adam", {"amsgrad": True}, torch.optim.Adam, {"amsgrad": True}),
+    ("adafactor", {"decay_rate": -0.5, "clip_threshold": 2.0, "eps": 1e-30}, torch.optim.Adafactor,
+     {"beta2_decay": -0.5, "d": 2.0, "eps": (1e-30, 1e-3)}),
+])
+def test_torch_optimizers_get_nemo_arguments(name: str, kwargs: dict, cls: type, expected: dict) -> None:
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(name=name, lr=0.05, **kwargs), False)
+    assert type(opt) is cls
+    group = opt.param_groups[0]
+    assert group["lr"] == 0.05
+    for key, value in expected.items():
+        assert group[key] == value, key
+
+
+@pytest.mark.parametrize("name,kwargs,key", [
+    ("rprop", {"weight_decay": 0.1}, "weight_decay"),
+    ("adafactor", {"betas": [0.5, 0.9]}, "betas"),
+    ("adagrad", {"capturable": True}, "capturable"),
+    ("sgd", {"rho": 0.5}, "rho"),
+    ("adamw", {"grad_averaging": True}, "grad_averaging"),
+    ("novograd", {"momentum": 0.9}, "momentum"),
+])
+def test_key_the_optimizer_cannot_use_is_an_error(name: str, kwargs: dict, key: str) -> None:
+    with pytest.raises(ValueError, match=f"model.optim.{key}: .* is not used by {name}; remove"):
+        build_optimizer(_Block().named_parameters(), OptimConfig(name=name, **kwargs), False)
+
+
+@pytest.mark.parametrize("name", OPTIMIZERS)
+def test_every_optimizer_reduces_a_quadratic(name: str) -> None:
+    torch.manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 4))
+    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    lr = 1.0 if name == "adadelta" else 0.05
+    opt = build_optimizer([("w", w)], OptimConfig(name=name, lr=lr), True)
+    losses = []
+    for _ in range(10):
+        opt.zero_grad()
+        loss = ((x @ w - y) ** 2).mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0], (name, losses)
+
+
+def test_novograd_matches_hand_computed_steps() -> None:
+    # betas (0.95, 0.98), eps 0, lr 0.1. Step 1: g = [3, 4], n = 25, d = g / 5 = [0.6, 0.8], m = d.
+    p = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    opt = Novograd([p], lr=0.1, betas=(0.95, 0.98), eps=0.0)
+    p.grad = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0 - 0.06, 2.0 - 0.08], dtype=torch.float64))
+    # Step 2: g = [0, 5]: n = 0.98 * 25 + 0.02 * 25 = 25, d = [0, 1], m = 0.95 * [0.6, 0.8] + [0, 1].
+    p.grad = torch.tensor([0.0, 5.0], dtype=torch.float64)
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([0.94 - 0.057, 1.92 - 0.176], dtype=torch.float64))
+    assert opt.state[p]["step"] == 2 and float(opt.state[p]["exp_avg_sq"]) == pytest.approx(25.0)
+
+
+def test_novograd_weight_decay_grad_averaging_and_amsgrad() -> None:
+    # wd 0.5, grad_averaging: d = ([0.6, 0.8] + 0.5 * [1, 2]) * (1 - 0.95) = [0.055, 0.09].
+    p = nn.Parameter(torch.tensor([1.0, 2.0], dtype=torch.float64))
+    opt = Novograd([p], lr=0.1, betas=(0.95, 0.98), eps=0.0, weight_decay=0.5, grad_averaging=True,
+                   amsgrad=True)
+    grad = torch.tensor([3.0, 4.0], dtype=torch.float64)
+    p.grad = grad.clone()
+    opt.step()
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0 - 0.0055, 2.0 - 0.009], dtype=torch.float64))
+    torch.testing.assert_close(p.grad, grad)  # the gradient is not modified
+    # amsgrad: a smaller gradient keeps the max n = 25; n itself becomes 0.98 * 25 + 0.02 * 1.
+    p.grad = torch.tensor([0.0, 1.0], dtype=torch.float64)
+    opt.step()
+    assert float(opt.state[p]["max_exp_avg_sq"]) == pytest.approx(25.0)
+    assert float(opt.state[p]["exp_avg_sq"]) == pytest.approx(24.52)
+    with pytest.raises(ValueError, match="betas"):
+        Novograd([p], betas=(0.9, 1.0))
+
+
+def test_novograd_built_by_name_uses_param_groups() -> None:
+    model = _Block()
+    opt = build_optimizer(model.named_parameters(), OptimConfig(name="novograd", betas=[0.95, 0.98],
+                                                                weight_decay=0.01), False)
+    assert type(opt) is Novograd
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.01, 0.0]
+    assert opt.param_groups[0]["betas"] == (0.95, 0.98)
+
+
+# -------------------------------------------------------------------------------- more NeMo schedules (issue 5)
+
+def _expect(lrs: list[float], expected: dict[int, float]) -> None:
+    for step, value in expected.items():
+        assert lrs[step] == pytest.approx(value, abs=1e-12), step
+
+
+def test_warmup_policy_and_warmup_hold_policy() -> None:
+    # WarmupPolicy: (step+1)/(W+1) up to W = 4, then lr, min_lr past M = 50.
+    _expect(_lr_trajectory(SchedConfig(name="WarmupPolicy", warmup_steps=4, min_lr=0.1), 50, 52),
+            {0: 0.2, 2: 0.6, 4: 1.0, 5: 1.0, 50: 1.0, 51: 0.1, 52: 0.1})
+    # WarmupHoldPolicy: warm-up to W = 4, hold H = 10 steps at lr, constant body, min_lr past M.
+    cfg = SchedConfig(name="WarmupHoldPolicy", warmup_steps=4, hold_steps=10, min_lr=0.1)
+    _expect(_lr_trajectory(cfg, 50, 52), {0: 0.2, 4: 1.0, 5: 1.0, 13: 1.0, 14: 1.0, 50: 1.0, 51: 0.1})
+
+
+def test_square_annealing() -> None:
+    # W = 9, M = 109: warm-up (step+1)/10, then max(0.01, ((109 - step) / 100) ** 2).
+    cfg = SchedConfig(name="SquareAnnealing", warmup_steps=9, min_lr=0.01)
+    _expect(_lr_trajectory(cfg, 109, 112), {0: 0.1, 4: 0.5, 9: 1.0, 10: 0.99 ** 2, 59: 0.25, 84: 0.0625,
+                                            104: 0.01, 109: 0.01, 110: 0.01, 112: 0.01})
+
+
+def test_warmup_annealing() -> None:
+    # W = 9, M = 109, min_lr 0.1: 0.1 + (1 - (step - 9) / 100) * 0.9 after warm-up.
+    cfg = SchedConfig(name="WarmupAnnealing", warmup_steps=9, min_lr=0.1)
+    _expect(_lr_trajectory(cfg, 109, 111), {0: 0.1, 4: 0.5, 9: 1.0, 10: 0.991, 59: 0.55, 109: 0.1, 111: 0.1})
+
+
+def test_noam_annealing() -> None:
+    # d_model 16 -> 0.25; W = 4 -> W^-1.5 = 0.125. s = max(1, step): 0.25 * min(s^-0.5, 0.125 s).
+    # min_lr 0.05 applies only for s > W; past M = 100 -> min_lr.
+    cfg = SchedConfig(name="NoamAnnealing", warmup_steps=4, d_model=16, min_lr=0.05)
+    _expect(_lr_trajectory(cfg, 100, 101), {0: 0.03125, 1: 0.03125, 2: 0.0625, 4: 0.125, 16: 0.0625,
+                                            64: 0.05, 100: 0.05, 101: 0.05})
+    # No warm-up: 0.5 * s^-0.5 with d_model 4.
+    _expect(_lr_trajectory(SchedConfig(name="NoamAnnealing", d_model=4), 100, 16), {0: 0.5, 1: 0.5, 4: 0.25,
+                                                                                    16: 0.125})
+    assert noam_annealing_lr(101, 1.0, 16, 4, 100, 0.0) == 0.0
+
+
+def test_step_lr_and_exponential_lr_match_torch() -> None:
+    _expect(_lr_trajectory(SchedConfig(name="StepLR", step_size=3, gamma=0.5), 100, 9),
+            {0: 1.0, 2: 1.0, 3: 0.5, 5: 0.5, 6: 0.25, 9: 0.125})
+    _expect(_lr_trajectory(SchedConfig(name="StepLR", step_size=3), 100, 3), {3: 0.1})  # torch default gamma
+    ours = _lr_trajectory(SchedConfig(name="ExponentialLR", gamma=0.9), 100, 10, lr=0.3)
+    w = nn.Parameter(torch.zeros(1))
+    opt = torch.optim.SGD([w], lr=0.3)
+    ref = torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.9)
+    theirs = [opt.param_groups[0]["lr"]]
+    for _ in range(10):
+        opt.step()
+        ref.step()
+        theirs.append(opt.param_groups[0]["lr"])
+    assert ours == pytest.approx(theirs, rel=1e-12) and ours[10] == pytest.approx(0.3 * 0.9 ** 10)
+    assert step_lr(7, 2.0, 2, 0.5) == 0.25 and exponential_lr(2, 2.0, 0.5) == 0.5
+
+
+@pytest.mark.parametrize("cfg,match", [
+    (SchedConfig(name="NoamAnnealing"), "model.optim.sched.d_model: NoamAnnealing needs d_model"),
+    (SchedConfig(name="StepLR"), "model.optim.sched.step_size: StepLR needs step_size"),
+    (SchedConfig(name="ExponentialLR"), "model.optim.sched.gamma: ExponentialLR needs gamma"),
+    (SchedConfig(name="ExponentialLR", gamma=-1.0), "model.optim.sched.gamma: must be > 0"),
+    (SchedConfig(name="StepLR", step_size=0), "StepLR needs step_size >= 1"),
+    (SchedConfig(name="ExponentialLR", gamma=0.9, warmup_steps=2), "model.optim.sched.warmup_steps: only"),
+    (SchedConfig(name="StepLR", step_size=2, min_lr=0.1), "model.optim.sched.min_lr: only"),
+    (SchedConfig(name="CosineAnnealing", hold_steps=2), "only WarmupHoldPolicy use hold_steps"),
+    (SchedConfig(name="WarmupAnnealing", d_model=8), "only NoamAnnealing use d_model"),
+    (SchedConfig(name="WarmupHoldPolicy", warmup_steps=6, hold_steps=6), "hold 6 exceeds the schedule length"),
+])
+def test_new_schedule_settings_errors(cfg: SchedConfig, match: str) -> None:
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1.0), False)
+    with pytest.raises(ValueError, match=match):
+        build_scheduler(opt, cfg, 10)
+
+
+@pytest.mark.parametrize("sched", [
+    {"name": "WarmupAnnealing", "warmup_steps": 3},
+    {"name": "NoamAnnealing", "warmup_steps": 3, "d_model": 16},
+    {"name": "StepLR", "step_size": 5, "gamma": 0.5},
+])
+def test_sched_max_steps_interpolation_from_trainer(sched: dict) -> None:
+    raw = {
+        "trainer": {"devices": 1, "num_nodes": 1, "max_steps": 20},
+        "data": {"micro_batch_size": 1, "global_batch_size": 1},
+        "model": {"model_config": str(TINY_JSON), "encoder_seq_length": 64,
+                  "optim": {"name": "novograd", "lr": 1.0, "sched": {**sched, "max_steps": "${trainer.max_steps}"}}},
+    }
+    cfg = load_config(raw)
+    check_supported(cfg)  # no "not supported yet" for the new names
+    assert cfg.model.optim.sched.max_steps == 20
+    opt = build_optimizer(_Block().named_parameters(), cfg.model.optim, False)
+    sched_obj = build_scheduler(opt, cfg.model.optim.sched, 999)  # sched.max_steps (20) wins
+    lrs = [opt.param_groups[0]["lr"]]
+    for _ in range(21):
+        opt.step()
+        sched_obj.step()
+        lrs.append(opt.param_groups[0]["lr"])
+    if sched["name"] == "WarmupAnnealing":  # W = 3, M = 20: 1 - (step - 3) / 17
+        _expect(lrs, {0: 0.25, 3: 1.0, 20: 0.0, 21: 0.0})
+        assert lrs[10] == pytest.approx(1 - 7 / 17)
+    elif sched["name"] == "NoamAnnealing":  # past M = 20 -> min_lr 0
+        assert lrs[20] == pytest.approx(0.25 * 20 ** -0.5) and lrs[21] == 0.0
+    else:
+        _expect(lrs, {4: 1.0, 5: 0.5, 20: 0.0625})

@@ -130,24 +130,39 @@ class FusionsConfig:
 class SchedConfig:
     """``model.optim.sched:`` — learning-rate schedule (NeMo names)."""
 
-    name: str = "LinearAnnealingWithWarmUp"  # LinearAnnealingWithWarmUp | CosineAnnealing | Constant
+    name: str = "LinearAnnealingWithWarmUp"  # NeMo name: LinearAnnealingWithWarmUp, CosineAnnealing, WarmupPolicy, ...
     warmup_steps: int = 0  # linear warm-up from 0 to lr over this many steps
     max_steps: Optional[int] = None  # schedule length; usually ${trainer.max_steps}
     constant_steps: int = 0  # CosineAnnealing: final steps held at min_lr after the cosine decay (NeMo)
     min_lr: float = 0.0  # floor of the annealed learning rate
+    hold_steps: int = 0  # WarmupHoldPolicy: steps held at lr after warm-up (NeMo hold_steps)
+    d_model: Optional[int] = None  # NoamAnnealing: model width; lr * d_model^-0.5 * min(s^-0.5, s * W^-1.5)
+    step_size: Optional[int] = None  # StepLR: multiply lr by gamma every step_size steps (torch StepLR)
+    gamma: Optional[float] = None  # StepLR (default 0.1) / ExponentialLR (required): decay factor
 
 
 @dataclass
 class OptimConfig:
     """``model.optim:`` — optimizer (NeMo names) and its schedule."""
 
-    name: str = "adamw"  # adamw | adamw_fp32OptState | adam | sgd (more in the optimizer issue)
+    name: str = "adamw"  # NeMo name: adamw, adamw_fp32OptState, adam, sgd, adadelta, adamax, adagrad, rmsprop, ...
     lr: float = 1e-4  # peak learning rate
     weight_decay: float = 0.0  # decoupled (adamw) or L2 (adam/sgd) weight decay
     betas: List[float] = field(default_factory=lambda: [0.9, 0.999])  # Adam betas
     eps: float = 1e-8  # Adam epsilon
     momentum: float = 0.0  # SGD momentum
     capturable: bool = False  # torch.optim capturable flag (CUDA graphs / XLA)
+    amsgrad: bool = False  # adam / adamw / novograd: use the running max of the second moment
+    rho: float = 0.9  # adadelta: decay of the squared-gradient and squared-update averages
+    lr_decay: float = 0.0  # adagrad: lr / (1 + (step - 1) * lr_decay)
+    initial_accumulator_value: float = 0.0  # adagrad: starting value of the squared-gradient sum
+    alpha: float = 0.99  # rmsprop: smoothing constant of the squared-gradient average
+    centered: bool = False  # rmsprop: normalise by the centred (variance) estimate
+    etas: List[float] = field(default_factory=lambda: [0.5, 1.2])  # rprop: (decrease, increase) factors
+    step_sizes: List[float] = field(default_factory=lambda: [1e-6, 50.0])  # rprop: (min, max) step size
+    grad_averaging: bool = False  # novograd: scale the normalised gradient by (1 - beta1)
+    decay_rate: float = -0.8  # adafactor: second-moment decay exponent, beta2_t = 1 - t^decay_rate
+    clip_threshold: float = 1.0  # adafactor: update RMS clipping threshold (torch Adafactor d)
     sched: SchedConfig = field(default_factory=SchedConfig)
 
 

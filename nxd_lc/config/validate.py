@@ -28,10 +28,13 @@ PRECISION_TYPES = ("bf16SR", "fp32", "autocast", "mixed_precision", "mixed_preci
 PRECISION_ALIASES = {"mixed_precision_SR": "mixed_precisionSR"}  # NxDT spells it both ways
 OPTIMIZERS = ("adamw", "adamw_fp32OptState", "adam", "sgd", "adadelta", "adamax", "adagrad", "rmsprop",
               "rprop", "novograd", "adafactor")
-IMPLEMENTED_OPTIMIZERS = ("adamw", "adamw_fp32OptState", "adam", "sgd")
+IMPLEMENTED_OPTIMIZERS = ("adamw", "adamw_fp32OptState", "adam", "sgd", "adadelta", "adamax", "adagrad",
+                          "rmsprop", "rprop", "novograd", "adafactor")
 SCHEDULERS = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant", "WarmupPolicy", "WarmupHoldPolicy",
               "SquareAnnealing", "NoamAnnealing", "WarmupAnnealing", "StepLR", "ExponentialLR")
-IMPLEMENTED_SCHEDULERS = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant")
+IMPLEMENTED_SCHEDULERS = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant", "WarmupPolicy",
+                          "WarmupHoldPolicy", "SquareAnnealing", "NoamAnnealing", "WarmupAnnealing", "StepLR",
+                          "ExponentialLR")
 ACCELERATORS = ("auto", "cpu", "gpu", "xla", "neuron")
 
 
@@ -395,9 +398,9 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
     if cfg.trainer.log_every_n_steps < 1:
         p.append(f"trainer.log_every_n_steps: must be >= 1, got {cfg.trainer.log_every_n_steps}")
     sched = cfg.model.optim.sched
-    if sched.max_steps is not None and sched.warmup_steps + sched.constant_steps > sched.max_steps:
-        p.append(f"model.optim.sched.warmup_steps: warmup {sched.warmup_steps} + constant {sched.constant_steps} "
-                 f"exceeds sched.max_steps {sched.max_steps}")
+    if sched.max_steps is not None and sched.warmup_steps + sched.constant_steps + sched.hold_steps > sched.max_steps:
+        p.append(f"model.optim.sched.warmup_steps: warmup {sched.warmup_steps} + constant {sched.constant_steps} + "
+                 f"hold {sched.hold_steps} exceeds sched.max_steps {sched.max_steps}")
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
     return p

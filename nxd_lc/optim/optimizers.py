@@ -1,8 +1,11 @@
 """Optimizer registry by NeMo name (``model.optim.name``) and weight-decay parameter groups.
 
 Names follow NeMo / NxDT (``nemo.core.optim.optimizers.AVAILABLE_OPTIMIZERS`` plus NxD's
-``adamw_fp32OptState``). Each builder receives the parameter groups of :func:`param_groups` and the typed
-:class:`~nxd_lc.config.schema.OptimConfig`; a key that a builder cannot honour is an error, never ignored.
+``adamw_fp32OptState``): torch.optim classes where torch has the optimizer, our own
+:class:`~nxd_lc.optim.novograd.Novograd` otherwise. Note ``model.optim.eps`` (default 1e-8) is passed to every
+optimizer, including those whose torch default differs (adadelta 1e-6, adagrad 1e-10). Each builder receives
+the parameter groups of :func:`param_groups` and the typed :class:`~nxd_lc.config.schema.OptimConfig`; a key
+the chosen optimizer cannot use, set away from its default, is an error naming it, never ignored.
 
 Weight-decay groups follow NeMo's Megatron rule (``nemo/collections/nlp/modules/common/megatron/utils.py``,
 ``get_params_for_weight_decay_optimization`` / ``get_all_params_for_weight_decay_optimization``, selected by
@@ -28,6 +31,7 @@ import torch
 
 from nxd_lc.config.schema import OptimConfig
 from nxd_lc.config.validate import OPTIMIZERS
+from nxd_lc.optim.novograd import Novograd
 
 ParamGroup = dict[str, Any]
 
@@ -92,29 +96,56 @@ def param_groups(named_params: Iterable[tuple[str, torch.nn.Parameter]], weight_
     return groups
 
 
-def _check_adam_family(name: str, cfg: OptimConfig) -> tuple[float, float]:
-    if len(cfg.betas) != 2:
-        raise ValueError(f"model.optim.betas: {name} needs two values [beta1, beta2], got {list(cfg.betas)}")
-    if cfg.momentum != 0.0:
-        raise ValueError(f"model.optim.momentum: {cfg.momentum} is an SGD setting and {name} has no momentum "
-                         f"term (it uses model.optim.betas); remove model.optim.momentum or use name: sgd")
-    return float(cfg.betas[0]), float(cfg.betas[1])
+#: OptimConfig keys each optimizer reads besides ``name`` / ``lr`` / ``sched``. Any other key set away from its
+#: default is an error naming it (a setting the optimizer would silently ignore).
+_USED_KEYS: dict[str, frozenset[str]] = {
+    "adamw": frozenset({"weight_decay", "betas", "eps", "capturable", "amsgrad"}),
+    "adamw_fp32OptState": frozenset({"weight_decay", "betas", "eps", "capturable", "amsgrad"}),
+    "adam": frozenset({"weight_decay", "betas", "eps", "capturable", "amsgrad"}),
+    "sgd": frozenset({"weight_decay", "momentum"}),
+    "adadelta": frozenset({"weight_decay", "rho", "eps", "capturable"}),
+    "adamax": frozenset({"weight_decay", "betas", "eps", "capturable"}),
+    "adagrad": frozenset({"weight_decay", "lr_decay", "initial_accumulator_value", "eps"}),
+    "rmsprop": frozenset({"weight_decay", "alpha", "eps", "momentum", "centered", "capturable"}),
+    "rprop": frozenset({"etas", "step_sizes", "capturable"}),
+    "novograd": frozenset({"weight_decay", "betas", "eps", "amsgrad", "grad_averaging"}),
+    "adafactor": frozenset({"weight_decay", "eps", "decay_rate", "clip_threshold"}),
+}
+_ALWAYS = frozenset({"name", "lr", "sched"})
+
+
+def _check_unused_keys(name: str, cfg: OptimConfig) -> None:
+    """Raise ValueError for the first OptimConfig key the optimizer cannot use that differs from its default."""
+    default = OptimConfig()
+    for key in cfg.__dataclass_fields__:
+        if key in _ALWAYS or key in _USED_KEYS[name]:
+            continue
+        value, dflt = getattr(cfg, key), getattr(default, key)
+        if (list(value) if isinstance(value, (list, tuple)) else value) != dflt:
+            users = sorted(n for n, keys in _USED_KEYS.items() if key in keys)
+            raise ValueError(f"model.optim.{key}: {value!r} is not used by {name}; remove model.optim.{key} "
+                             f"(it applies to {', '.join(users) or 'no optimizer'})")
+
+
+def _pair(key: str, name: str, values: Any) -> tuple[float, float]:
+    """``values`` as a float pair; ValueError naming ``model.optim.<key>`` otherwise."""
+    if len(values) != 2:
+        raise ValueError(f"model.optim.{key}: {name} needs two values, got {list(values)}")
+    return float(values[0]), float(values[1])
 
 
 def _adamw(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim.AdamW: decoupled weight decay (Loshchilov & Hutter, arXiv:1711.05101)."""
-    betas = _check_adam_family("adamw", cfg)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                             capturable=cfg.capturable)
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=_pair("betas", "adamw", cfg.betas), eps=cfg.eps,
+                             weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, capturable=cfg.capturable)
 
 
 def _adamw_fp32_opt_state(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
     """NxD's ``adamw_fp32OptState``: AdamW whose moments (exp_avg, exp_avg_sq) are kept in fp32.
 
-    torch.optim.AdamW keeps its state in the parameter dtype, so with fp32 parameters (the only precision
-    mode implemented now) this is exactly AdamW with fp32 state. With bf16 parameters NxD keeps fp32 moments
-    beside bf16 params; that variant comes with the precision issue and is refused here rather than silently
-    run with bf16 moments.
+    torch.optim.AdamW keeps its state in the parameter dtype, so with fp32 parameters this is exactly AdamW
+    with fp32 state. With bf16 parameters NxD keeps fp32 moments beside bf16 params; that variant belongs to
+    the precision module (master weights) and is refused here rather than silently run with bf16 moments.
 
     Raises:
         ValueError: a parameter is not float32.
@@ -125,27 +156,75 @@ def _adamw_fp32_opt_state(groups: list[ParamGroup], cfg: OptimConfig) -> torch.o
                 raise ValueError(f"model.optim.name=adamw_fp32OptState: parameter {name!r} is {p.dtype}; fp32 "
                                  f"optimizer state for non-fp32 parameters is not supported yet (precision "
                                  f"issue); use precision.type: fp32 (fp32 parameters)")
-    betas = _check_adam_family("adamw_fp32OptState", cfg)
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=_pair("betas", "adamw_fp32OptState", cfg.betas),
+                             eps=cfg.eps, weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad,
                              capturable=cfg.capturable)
 
 
 def _adam(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim.Adam (Kingma & Ba, arXiv:1412.6980); weight_decay is L2 (added to the gradient)."""
-    betas = _check_adam_family("adam", cfg)
-    return torch.optim.Adam(groups, lr=cfg.lr, betas=betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                            capturable=cfg.capturable)
+    return torch.optim.Adam(groups, lr=cfg.lr, betas=_pair("betas", "adam", cfg.betas), eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, capturable=cfg.capturable)
 
 
 def _sgd(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
-    """torch.optim.SGD with ``model.optim.momentum`` (heavy ball); weight_decay is L2.
+    """torch.optim.SGD with ``model.optim.momentum`` (heavy ball); weight_decay is L2."""
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+
+
+def _adadelta(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Adadelta (Zeiler, arXiv:1212.5701) with ``rho``; weight_decay is L2."""
+    return torch.optim.Adadelta(groups, lr=cfg.lr, rho=cfg.rho, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                capturable=cfg.capturable)
+
+
+def _adamax(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Adamax (infinity-norm Adam, Kingma & Ba arXiv:1412.6980 sec. 7); weight_decay is L2."""
+    return torch.optim.Adamax(groups, lr=cfg.lr, betas=_pair("betas", "adamax", cfg.betas), eps=cfg.eps,
+                              weight_decay=cfg.weight_decay, capturable=cfg.capturable)
+
+
+def _adagrad(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Adagrad (Duchi et al., JMLR 2011) with ``lr_decay`` / ``initial_accumulator_value``."""
+    return torch.optim.Adagrad(groups, lr=cfg.lr, lr_decay=cfg.lr_decay, weight_decay=cfg.weight_decay,
+                               initial_accumulator_value=cfg.initial_accumulator_value, eps=cfg.eps)
+
+
+def _rmsprop(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.RMSprop (Hinton, lecture 6e) with ``alpha``, ``momentum``, ``centered``; wd is L2."""
+    return torch.optim.RMSprop(groups, lr=cfg.lr, alpha=cfg.alpha, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                               momentum=cfg.momentum, centered=cfg.centered, capturable=cfg.capturable)
+
+
+def _rprop(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Rprop (Riedmiller & Braun, 1993) with ``etas`` and ``step_sizes``; it has no weight decay."""
+    return torch.optim.Rprop(groups, lr=cfg.lr, etas=_pair("etas", "rprop", cfg.etas),
+                             step_sizes=_pair("step_sizes", "rprop", cfg.step_sizes), capturable=cfg.capturable)
+
+
+def _novograd(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """:class:`nxd_lc.optim.novograd.Novograd` (NeMo ``novograd``), with ``grad_averaging`` / ``amsgrad``."""
+    return Novograd(groups, lr=cfg.lr, betas=_pair("betas", "novograd", cfg.betas), eps=cfg.eps,
+                    weight_decay=cfg.weight_decay, grad_averaging=cfg.grad_averaging, amsgrad=cfg.amsgrad)
+
+
+def _adafactor(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
+    """torch.optim.Adafactor (Shazeer & Stern, arXiv:1804.04235), NeMo argument names mapped onto torch's.
+
+    ``decay_rate`` -> ``beta2_decay``, ``clip_threshold`` -> ``d``, ``eps`` -> ``eps[0]`` (the regulariser
+    added to squared gradients; ``eps[1]`` = 1e-3, the default of both NeMo and torch); weight decay is
+    decoupled. torch's Adafactor has no first moment (NeMo ``beta1``) and always uses the relative step
+    ``min(lr, 1/sqrt(t))`` scaled by the parameter RMS (NeMo ``relative_step`` / ``scale_parameter`` true), so
+    ``lr`` caps the step size.
 
     Raises:
-        ValueError: ``model.optim.capturable`` is true (SGD has no capturable mode).
+        ValueError: torch < 2.5 (no torch.optim.Adafactor).
     """
-    if cfg.capturable:
-        raise ValueError("model.optim.capturable: true applies to adam / adamw only; set it to false for sgd")
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay)
+    if not hasattr(torch.optim, "Adafactor"):
+        raise ValueError(f"model.optim.name=adafactor needs torch.optim.Adafactor (torch >= 2.5); this is "
+                         f"torch {torch.__version__}")
+    return torch.optim.Adafactor(groups, lr=cfg.lr, beta2_decay=cfg.decay_rate, eps=(cfg.eps, 1e-3),
+                                 d=cfg.clip_threshold, weight_decay=cfg.weight_decay)
 
 
 #: NeMo optimizer name -> builder(param_groups, OptimConfig). Must match validate.IMPLEMENTED_OPTIMIZERS.
@@ -154,6 +233,13 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[list[ParamGroup], OptimConfig], torch.op
     "adamw_fp32OptState": _adamw_fp32_opt_state,
     "adam": _adam,
     "sgd": _sgd,
+    "adadelta": _adadelta,
+    "adamax": _adamax,
+    "adagrad": _adagrad,
+    "rmsprop": _rmsprop,
+    "rprop": _rprop,
+    "novograd": _novograd,
+    "adafactor": _adafactor,
 }
 
 
@@ -163,8 +249,9 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
 
     Args:
         named_params: ``(name, parameter)`` pairs (this rank's shards under TP); frozen ones are skipped.
-        optim_cfg: ``model.optim`` (lr, weight_decay, betas, eps, momentum, capturable are used; ``sched`` is
-            read by :func:`nxd_lc.optim.schedulers.build_scheduler`).
+        optim_cfg: ``model.optim``; the keys each optimizer reads are listed in ``_USED_KEYS`` (NeMo names,
+            passed to the torch.optim class of the same name); ``sched`` is read by
+            :func:`nxd_lc.optim.schedulers.build_scheduler`.
         do_layer_norm_weight_decay: ``model.do_layer_norm_weight_decay`` (see :func:`param_groups`).
 
     Returns:
@@ -184,5 +271,6 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
     if optim_cfg.lr < 0 or optim_cfg.weight_decay < 0:
         raise ValueError(f"model.optim.lr / model.optim.weight_decay: must be >= 0, got lr={optim_cfg.lr}, "
                          f"weight_decay={optim_cfg.weight_decay}")
+    _check_unused_keys(name, optim_cfg)
     groups = param_groups(named_params, optim_cfg.weight_decay, do_layer_norm_weight_decay)
     return OPTIMIZER_BUILDERS[name](groups, optim_cfg)

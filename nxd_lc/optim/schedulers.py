@@ -8,7 +8,7 @@ rate; the ``LambdaLR`` factor is that value divided by the group's initial lr.
 
 The factors are closures (plain functions), so ``LambdaLR.state_dict()`` stores only the step counter:
 on resume the schedule comes from the current config (a changed ``max_steps`` takes effect) and the step
-from the checkpoint.
+from the checkpoint. The other NeMo schedules' formulas are in :mod:`nxd_lc.optim.annealing`.
 """
 
 from __future__ import annotations
@@ -21,6 +21,14 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from nxd_lc.config.schema import SchedConfig
 from nxd_lc.config.validate import SCHEDULERS
+from nxd_lc.optim.annealing import (
+    exponential_lr,
+    noam_annealing_lr,
+    square_annealing_lr,
+    step_lr,
+    warmup_annealing_lr,
+    warmup_hold_policy_lr,
+)
 
 
 def linear_annealing_with_warmup_lr(step: int, lr: float, warmup_steps: int, max_steps: int,
@@ -77,7 +85,7 @@ def cosine_annealing_lr(step: int, lr: float, warmup_steps: int, max_steps: int,
 
 
 def constant_lr(step: int, lr: float, warmup_steps: int, max_steps: int, min_lr: float = 0.0) -> float:
-    """``Constant``: NeMo's ``WarmupPolicy`` (its constant policy, ``nemo/core/optim/lr_scheduler.py``)::
+    """``Constant`` and ``WarmupPolicy``: NeMo's ``WarmupPolicy`` (``nemo/core/optim/lr_scheduler.py``)::
 
         0 < W and step <= W : lr * (step + 1) / (W + 1)
         step > M            : min_lr
@@ -90,34 +98,75 @@ def constant_lr(step: int, lr: float, warmup_steps: int, max_steps: int, min_lr:
     return lr
 
 
+#: SchedConfig keys each schedule reads besides ``name`` / ``max_steps``; another key set away from its default
+#: is an error naming it.
+_USED_KEYS: dict[str, frozenset[str]] = {
+    "LinearAnnealingWithWarmUp": frozenset({"warmup_steps", "min_lr"}),
+    "CosineAnnealing": frozenset({"warmup_steps", "constant_steps", "min_lr"}),
+    "Constant": frozenset({"warmup_steps", "min_lr"}),
+    "WarmupPolicy": frozenset({"warmup_steps", "min_lr"}),
+    "WarmupHoldPolicy": frozenset({"warmup_steps", "hold_steps", "min_lr"}),
+    "SquareAnnealing": frozenset({"warmup_steps", "min_lr"}),
+    "NoamAnnealing": frozenset({"warmup_steps", "min_lr", "d_model"}),
+    "WarmupAnnealing": frozenset({"warmup_steps", "min_lr"}),
+    "StepLR": frozenset({"step_size", "gamma"}),
+    "ExponentialLR": frozenset({"gamma"}),
+}
+#: Keys a schedule cannot run without (None in the config).
+_REQUIRED: dict[str, tuple[str, ...]] = {"NoamAnnealing": ("d_model",), "StepLR": ("step_size",),
+                                         "ExponentialLR": ("gamma",)}
+
+
+def _check_keys(sched_cfg: SchedConfig) -> None:
+    """Raise ValueError naming a key the schedule cannot use (set away from its default) or lacks."""
+    name, default = sched_cfg.name, SchedConfig()
+    for key in sorted(set(default.__dataclass_fields__) - {"name", "max_steps"} - _USED_KEYS[name]):
+        if getattr(sched_cfg, key) != getattr(default, key):
+            users = [n for n, keys in _USED_KEYS.items() if key in keys]
+            raise ValueError(f"model.optim.sched.{key}: only {', '.join(users)} use {key}; remove it for {name}")
+    for key in _REQUIRED.get(name, ()):
+        if getattr(sched_cfg, key) is None:
+            raise ValueError(f"model.optim.sched.{key}: {name} needs {key}; set model.optim.sched.{key}")
+    if sched_cfg.gamma is not None and sched_cfg.gamma <= 0:
+        raise ValueError(f"model.optim.sched.gamma: must be > 0, got {sched_cfg.gamma}")
+
+
 def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
-    """Raise ValueError naming the key for schedule settings no formula above can honour."""
-    name = sched_cfg.name
+    """Raise ValueError naming the key for schedule settings no formula can honour."""
     if max_steps < 1:
         raise ValueError(f"model.optim.sched.max_steps: schedule length must be >= 1, got {max_steps} "
                          f"(set model.optim.sched.max_steps or trainer.max_steps)")
-    if sched_cfg.warmup_steps < 0 or sched_cfg.constant_steps < 0:
-        raise ValueError(f"model.optim.sched.warmup_steps / constant_steps: must be >= 0, got "
-                         f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps}")
-    if sched_cfg.warmup_steps + sched_cfg.constant_steps > max_steps:
+    if min(sched_cfg.warmup_steps, sched_cfg.constant_steps, sched_cfg.hold_steps) < 0:
+        raise ValueError(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
+                         f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps} / {sched_cfg.hold_steps}")
+    total = sched_cfg.warmup_steps + sched_cfg.constant_steps + sched_cfg.hold_steps
+    if total > max_steps:
         raise ValueError(f"model.optim.sched.warmup_steps: warmup {sched_cfg.warmup_steps} + constant "
-                         f"{sched_cfg.constant_steps} exceeds the schedule length {max_steps}")
-    if sched_cfg.constant_steps and name != "CosineAnnealing":
-        raise ValueError(f"model.optim.sched.constant_steps: only CosineAnnealing has constant steps; "
-                         f"remove it for {name}")
+                         f"{sched_cfg.constant_steps} + hold {sched_cfg.hold_steps} exceeds the schedule "
+                         f"length {max_steps}")
+    _check_keys(sched_cfg)
     if sched_cfg.min_lr < 0 or any(sched_cfg.min_lr > lr for lr in lrs):
         raise ValueError(f"model.optim.sched.min_lr: {sched_cfg.min_lr} must be >= 0 and <= model.optim.lr "
                          f"{min(lrs) if lrs else '?'}")
 
 
 def _lr_fn(sched_cfg: SchedConfig, max_steps: int) -> Callable[[int, float], float]:
-    """Absolute-lr function ``f(step, lr)`` of the named schedule."""
+    """Absolute-lr function ``f(step, lr)`` of the named schedule (settings already checked)."""
     w, m, c, lo = sched_cfg.warmup_steps, max_steps, sched_cfg.constant_steps, sched_cfg.min_lr
-    if sched_cfg.name == "LinearAnnealingWithWarmUp":
-        return lambda step, lr: linear_annealing_with_warmup_lr(step, lr, w, m, lo)
-    if sched_cfg.name == "CosineAnnealing":
-        return lambda step, lr: cosine_annealing_lr(step, lr, w, m, lo, c)
-    return lambda step, lr: constant_lr(step, lr, w, m, lo)
+    h, d, size, gamma = sched_cfg.hold_steps, sched_cfg.d_model, sched_cfg.step_size, sched_cfg.gamma
+    fns: dict[str, Callable[[int, float], float]] = {
+        "LinearAnnealingWithWarmUp": lambda step, lr: linear_annealing_with_warmup_lr(step, lr, w, m, lo),
+        "CosineAnnealing": lambda step, lr: cosine_annealing_lr(step, lr, w, m, lo, c),
+        "Constant": lambda step, lr: constant_lr(step, lr, w, m, lo),
+        "WarmupPolicy": lambda step, lr: constant_lr(step, lr, w, m, lo),
+        "WarmupHoldPolicy": lambda step, lr: warmup_hold_policy_lr(step, lr, w, h, m, lo),
+        "SquareAnnealing": lambda step, lr: square_annealing_lr(step, lr, w, m, lo),
+        "NoamAnnealing": lambda step, lr: noam_annealing_lr(step, lr, int(d or 0), w, m, lo),
+        "WarmupAnnealing": lambda step, lr: warmup_annealing_lr(step, lr, w, m, lo),
+        "StepLR": lambda step, lr: step_lr(step, lr, int(size or 0), 0.1 if gamma is None else gamma),
+        "ExponentialLR": lambda step, lr: exponential_lr(step, lr, float(gamma or 0.0)),
+    }
+    return fns[sched_cfg.name]
 
 
 def _factor(lr_fn: Callable[[int, float], float], base_lr: float) -> Callable[[int], float]:
@@ -128,7 +177,7 @@ def _factor(lr_fn: Callable[[int, float], float], base_lr: float) -> Callable[[i
 
 
 #: Implemented schedule names. Must match validate.IMPLEMENTED_SCHEDULERS.
-SCHEDULE_NAMES: tuple[str, ...] = ("LinearAnnealingWithWarmUp", "CosineAnnealing", "Constant")
+SCHEDULE_NAMES: tuple[str, ...] = tuple(_USED_KEYS)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: SchedConfig, max_steps: int) -> LambdaLR:
@@ -146,7 +195,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, sched_cfg: SchedConfig, ma
     Raises:
         ValueError: ``not supported yet: model.optim.sched.name=<x>`` for NeMo names without an
             implementation yet; ``unknown schedule`` for other names; a setting the schedule cannot honour
-            (negative steps, warmup + constant > length, constant_steps outside CosineAnnealing, min_lr > lr).
+            (negative steps, warmup + constant + hold > length, a key the schedule does not use set away from its
+            default, a required key missing: NoamAnnealing d_model, StepLR step_size, ExponentialLR gamma;
+            min_lr > lr).
     """
     name = sched_cfg.name
     if name not in SCHEDULE_NAMES:
