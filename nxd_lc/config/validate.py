@@ -276,7 +276,7 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
-def _context_parallel_problems(cfg: NxdConfig) -> list[str]:
+def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     """CP layout rules: ring needs 2*cp chunks, Ulysses needs heads divisible by cp, SP splits the CP shard."""
     p: list[str] = []
     ds, s = cfg.distributed_strategy, seq_length(cfg)
@@ -297,7 +297,6 @@ def _context_parallel_problems(cfg: NxdConfig) -> list[str]:
     elif ds.sequence_parallel and (s // cp) % tp != 0:
         p.append(f"data.seq_length: the per-CP-rank sequence {s // cp} must be divisible by "
                  f"tensor_model_parallel_size {tp} under sequence_parallel")
-    hf = read_model_json(cfg)
     if hf and ds.context_parallel_algo == "ulysses":
         heads = int(hf.get("num_attention_heads", 0))
         if tp >= 1 and heads % tp == 0 and (heads // tp) % cp != 0:
@@ -335,12 +334,11 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
-def _head_problems(cfg: NxdConfig) -> list[str]:
+def _head_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     p: list[str] = []
     m, ds = cfg.model, cfg.distributed_strategy
     if not m.model_config:
         return ["model.model_config: required; path to an HF config.json (e.g. conf/tiny_llama_config.json)"]
-    hf = read_model_json(cfg)
     if hf is None:
         return [f"model.model_config: file not found: {resolve_path(m.model_config)}"]
     tp, rep = ds.tensor_model_parallel_size, ds.kv_replicator
@@ -408,8 +406,9 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
 
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
-    return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg)
-            + _context_parallel_problems(cfg) + _memory_problems(cfg) + _choice_problems(cfg))
+    hf = read_model_json(cfg)  # read once; both head and CP rules need it
+    return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg, hf)
+            + _context_parallel_problems(cfg, hf) + _memory_problems(cfg) + _choice_problems(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

@@ -28,6 +28,7 @@ kernel is validated only on Trainium.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -62,12 +63,14 @@ class NkiKernels:
     nc: Optional[Callable[[int], Any]] = None
 
 
+@functools.lru_cache(maxsize=1)
 def load_nki_kernels() -> Optional[NkiKernels]:
     """The NKI flash-attention kernels from ``neuronxcc``, or None where they are not importable (off Neuron).
 
     Import paths as NeuronX Distributed uses them: ``neuronxcc.nki.kernels.{flash_fwd, flash_attn_bwd}``,
     ``neuronxcc.nki.kernels.attention.FlashConfig`` and ``neuronxcc.nki.language.nc``. The PyPI ``neuronxcc``
-    placeholder raises ImportError, which also gives None.
+    placeholder raises ImportError, which also gives None. Cached: the attention dispatch asks on every call,
+    and a failed import is not cached by Python itself.
     """
     try:
         import neuronxcc.nki.language as nl  # type: ignore[import-not-found]
