@@ -30,6 +30,7 @@ from nxd_lc.config.validate import (
     seq_length,
     unsupported_features,
 )
+from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.env import apply_env, format_env_table
 
 log = logging.getLogger("nxd_lc.train")
@@ -50,6 +51,7 @@ def dry_run(cfg: NxdConfig) -> str:
              f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
              f" seq_length {seq_length(cfg)}",
+             f"# {resolve_precision(cfg).describe()}",
              "# environment it would set (variables already set in the environment win):", table]
     problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
     if problems:
@@ -178,6 +180,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
     if runtime.rank == 0:
         log.info("effective environment:\n%s", format_env_table(env_entries))
+        log.info("%s", resolve_precision(cfg).describe())
         log.info("log dir: %s", paths.log_dir)
     pl.seed_everything(cfg.seed, workers=True)
     hf_config, model = build_model(cfg)

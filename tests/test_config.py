@@ -88,13 +88,8 @@ def test_nxdt_8b_yaml_loads_via_hydra_compose() -> None:
     assert cfg.model.optim.sched.max_steps == 10000  # ${trainer.max_steps}
     assert cfg.model.optim.name == "adamw_fp32OptState" and cfg.model.optim.betas == [0.9, 0.999]
     assert seq_length(cfg) == 8192 and cfg.distributed_strategy.kv_replicator == 4
-    keys = {p.split("=")[0] for p in unsupported_features(cfg)}
-    assert keys == {"not supported yet: distributed_strategy.zero1", "not supported yet: precision.type"}
-
-
-def test_nxdt_8b_yaml_supported_once_later_features_are_off() -> None:
-    raw = _compose_8b(["distributed_strategy.zero1=false", "precision.type=fp32"])
-    assert unsupported_features(load_config(raw, world_size=128)) == []
+    assert cfg.distributed_strategy.zero1 and cfg.precision.type == "mixed_precision"
+    assert unsupported_features(cfg) == []  # zero1 and mixed precision are implemented (issue 5)
 
 
 def test_alias_and_canonical_key_together_is_an_error() -> None:

@@ -49,7 +49,7 @@ class CheckpointCallbackParams:
     filename: str = "{step}-{consumed_samples}"  # tag pattern; {step} and {consumed_samples} are filled in
     model_parallel_size: Optional[int] = None  # informational in NxDT; must equal TP * PP when set
     every_n_train_steps: Optional[int] = None  # save every N optimizer steps
-    use_master_weights_in_ckpt: bool = False  # save fp32 master weights instead of params (precision issue)
+    use_master_weights_in_ckpt: bool = False  # save the fp32 master weights as the model weights (needs master weights)
 
 
 @dataclass
@@ -83,7 +83,7 @@ class DistributedStrategyConfig:
     pipeline_model_parallel_size: int = 1  # PP degree (pipeline issue; must be 1 now)
     virtual_pipeline_model_parallel_size: int = 1  # interleaved PP chunks (must be 1 now)
     context_parallel_size: int = 1  # CP degree (long-context issue; must be 1 now)
-    zero1: bool = False  # shard optimizer state over DP (precision/optimizer issue)
+    zero1: bool = False  # shard optimizer state and master weights over DP x CP (ZeRO-1)
     sequence_parallel: bool = False  # split activations outside the TP region along the sequence
     kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
     context_parallel_algo: str = "ring"  # ring (load-balanced ring attention) | ulysses (all-to-all over heads)
@@ -194,7 +194,7 @@ class ModelConfig:
 
 @dataclass
 class PrecisionConfig:
-    """``precision:`` — numeric mode (only fp32 now; the precision issue adds the rest)."""
+    """``precision:`` — numeric mode; modes -> dtypes in :mod:`nxd_lc.precision.policy` and the README."""
 
     type: str = "fp32"  # bf16SR | fp32 | autocast | mixed_precision | mixed_precisionSR | manual
     master_weights: bool = False  # manual: fp32 master weights in the optimizer

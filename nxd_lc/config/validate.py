@@ -401,6 +401,31 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
                  f"hold {sched.hold_steps} exceeds sched.max_steps {sched.max_steps}")
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
+    return p + _precision_problems(cfg)
+
+
+def _precision_problems(cfg: NxdConfig) -> list[str]:
+    """Precision keys that cannot be honoured together (modes -> dtypes: :mod:`nxd_lc.precision.policy`)."""
+    p: list[str] = []
+    prec, ckpt = cfg.precision, cfg.exp_manager.checkpoint_callback_params
+    reduce = prec.parallel_layers_reduce_dtype
+    if reduce not in (None, "fp32", "float32", "bf16", "bfloat16"):
+        p.append(f"precision.parallel_layers_reduce_dtype: unknown value {reduce!r}; choose fp32 or bf16")
+    for key in ("xla_use_bf16", "xla_downcast_bf16", "neuron_rt_stochastic_rounding_en"):
+        if str(getattr(prec, key)) not in ("0", "1"):
+            p.append(f"precision.{key}: must be '0' or '1', got {getattr(prec, key)!r}")
+    if prec.type != "manual" and (prec.master_weights or prec.fp32_grad_acc):
+        p.append(f"precision.master_weights / precision.fp32_grad_acc: only read with precision.type manual "
+                 f"(type {prec.type} fixes them, see the README precision table); set them false or use manual")
+    has_masters = prec.type in ("mixed_precision", "mixed_precisionSR") or (
+        prec.type == "manual" and prec.master_weights and "1" in (str(prec.xla_use_bf16), str(prec.xla_downcast_bf16)))
+    if ckpt.use_master_weights_in_ckpt and not has_masters:
+        p.append(f"exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt: precision.type {prec.type} "
+                 "keeps no fp32 master weights; use mixed_precision / mixed_precisionSR (or manual with "
+                 "master_weights and bf16) or set it false")
+    if ckpt.use_master_weights_in_ckpt and cfg.exp_manager.save_bf16:
+        p.append("exp_manager.save_bf16: contradicts checkpoint_callback_params.use_master_weights_in_ckpt "
+                 "(fp32 master weights); set one of them false")
     return p
 
 
@@ -445,12 +470,6 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
          ds.pipeline_model_parallel_size),
         (ds.virtual_pipeline_model_parallel_size != 1, "distributed_strategy.virtual_pipeline_model_parallel_size",
          ds.virtual_pipeline_model_parallel_size),
-        (ds.zero1, "distributed_strategy.zero1", ds.zero1),
-        (cfg.precision.type != "fp32", "precision.type", cfg.precision.type),
-        (cfg.precision.master_weights, "precision.master_weights", True),
-        (cfg.precision.fp32_grad_acc, "precision.fp32_grad_acc", True),
-        (cfg.precision.parallel_layers_reduce_dtype not in (None, "fp32", "float32"),
-         "precision.parallel_layers_reduce_dtype", cfg.precision.parallel_layers_reduce_dtype),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
         (cfg.trainer.sequential_move_factor is not None, "trainer.sequential_move_factor",
@@ -458,8 +477,6 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
         (em.async_checkpointing, "exp_manager.async_checkpointing", em.async_checkpointing),
         (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
          em.enable_recovery_time_instrumentation),
-        (em.checkpoint_callback_params.use_master_weights_in_ckpt,
-         "exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt", True),
     ]
     return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad]
 

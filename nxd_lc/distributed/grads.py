@@ -31,6 +31,14 @@ from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.collectives import ProcessGroup
 
 
+def grad_of(param: nn.Parameter) -> torch.Tensor | None:
+    """The gradient to reduce, clip and step: the fp32 ``main_grad`` accumulation buffer when the parameter has
+    one (bf16 parameters under fp32 gradient accumulation, :func:`nxd_lc.optim.install_fp32_grad_accumulation`),
+    else ``param.grad`` (None when the parameter got no gradient)."""
+    main = getattr(param, "main_grad", None)
+    return main if main is not None else param.grad
+
+
 def _coalesced_all_reduce(
     tensors: list[torch.Tensor], group: ProcessGroup | None, op: str = "sum", bucket_size_mb: float = 64.0
 ) -> None:
@@ -65,8 +73,8 @@ def _reduce_bucket(bucket: list[torch.Tensor], group: ProcessGroup | None, op: s
 def allreduce_sequence_parallel_gradients(module: nn.Module) -> None:
     """Sum over TP the gradients of ``module``'s parameters flagged ``sequence_parallel_enabled``.
     No-op at TP size 1. Collective over the TP group."""
-    grads = [p.grad for p in module.parameters()
-             if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None]
+    grads = [grad_of(p) for p in module.parameters()
+             if getattr(p, "sequence_parallel_enabled", False) and grad_of(p) is not None]
     _coalesced_all_reduce(grads, parallel_state.get_tensor_model_parallel_group())
 
 
@@ -81,8 +89,8 @@ def allreduce_kv_replica_gradients(module: nn.Module) -> None:
     """Sum over the KV-shared group the gradients of parameters flagged ``kv_replicated`` (only
     their ``kv_replicated_rows`` when set), so replicas stay identical and carry the full gradient.
     No-op when ``kv_replicator`` is 1. Collective over the KV-shared group."""
-    views = [_kv_replica_view(p, p.grad) for p in module.parameters()
-             if getattr(p, "kv_replicated", False) and p.grad is not None]
+    views = [_kv_replica_view(p, grad_of(p)) for p in module.parameters()
+             if getattr(p, "kv_replicated", False) and grad_of(p) is not None]
     _coalesced_all_reduce(views, parallel_state.get_kv_shared_group())
 
 
@@ -96,7 +104,7 @@ def allreduce_data_parallel_gradients(
     or the local mean when every rank holds the same number of loss tokens).
     Parameters without a gradient are skipped (they must be the same on all ranks).
     """
-    grads = [p.grad for p in params if p.grad is not None]
+    grads = [g for g in map(grad_of, params) if g is not None]
     group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
     _coalesced_all_reduce(grads, group, op="avg", bucket_size_mb=bucket_size_mb)
 
@@ -149,7 +157,7 @@ def global_grad_norm(
     Raises:
         ValueError: if ``norm_type <= 0``.
     """
-    pairs = [(p, p.grad.detach()) for p in params if p.grad is not None]
+    pairs = [(p, g.detach()) for p in params if (g := grad_of(p)) is not None]
     return _global_norm(pairs, norm_type, data_parallel_sharded)
 
 
@@ -159,6 +167,14 @@ def global_param_norm(
     """Norm of all parameters of the full model, same counting rules as :func:`global_grad_norm`."""
     pairs = [(p, p.detach()) for p in params]
     return _global_norm(pairs, norm_type, data_parallel_sharded)
+
+
+def scale_grads_(params: Iterable[nn.Parameter], coef: torch.Tensor) -> None:
+    """Multiply every gradient (:func:`grad_of`) of ``params`` in place by the 0-dim tensor ``coef``."""
+    for p in params:
+        g = grad_of(p)
+        if g is not None:
+            g.mul_(coef.to(device=g.device, dtype=g.dtype))
 
 
 def clip_grad_norm_(
@@ -172,9 +188,7 @@ def clip_grad_norm_(
     """
     if max_norm <= 0:
         raise ValueError(f"clip_grad_norm_: max_norm (trainer.gradient_clip_val) must be > 0, got {max_norm}")
-    params = [p for p in params if p.grad is not None]
+    params = [p for p in params if grad_of(p) is not None]
     total = global_grad_norm(params, norm_type, data_parallel_sharded)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-    for p in params:
-        p.grad.mul_(coef.to(device=p.grad.device, dtype=p.grad.dtype))
+    scale_grads_(params, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total

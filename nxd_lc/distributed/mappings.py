@@ -19,6 +19,11 @@ last dim (features) and the sequence-parallel split is on dim 1 (sequence), givi
 (*) when ``to_model_parallel=True`` (the consumer is a TP column layer, so every rank's gradient
 is a partial sum); with ``False`` the backward just keeps the own chunk.
 
+Reductions (all-reduce, reduce-scatter) run in the *reduce dtype* (:func:`set_reduce_dtype`, from
+``precision.parallel_layers_reduce_dtype``; NxD's ``reduce_dtype``, default fp32): a bf16 activation or gradient
+is cast up, summed and cast back, so TP partial sums of bf16 layers are accumulated in fp32 unless bf16 is asked
+for. Gathers and scatters move data unchanged.
+
 Context parallelism adds one pair over the CP group: :func:`all_to_all_context_parallel_region`
 (all-to-all forward, the inverse all-to-all backward; Ulysses' sequence <-> head exchange).
 """
@@ -32,6 +37,31 @@ import torch
 from nxd_lc.distributed import collectives, parallel_state
 
 _SEQ_DIM = 1
+_REDUCE_DTYPE: torch.dtype = torch.float32
+
+
+def set_reduce_dtype(dtype: torch.dtype) -> None:
+    """Set the dtype TP/SP reductions run in (``precision.parallel_layers_reduce_dtype``; fp32 or bf16).
+
+    Raises:
+        ValueError: a dtype other than float32 / bfloat16.
+    """
+    global _REDUCE_DTYPE
+    if dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"precision.parallel_layers_reduce_dtype must be fp32 or bf16, got {dtype}")
+    _REDUCE_DTYPE = dtype
+
+
+def get_reduce_dtype() -> torch.dtype:
+    """The dtype TP/SP reductions run in (default float32)."""
+    return _REDUCE_DTYPE
+
+
+def _in_reduce_dtype(x: torch.Tensor, reduce: Any) -> torch.Tensor:
+    """``reduce(x)`` computed in the reduce dtype and returned in x's dtype (non-float x: unchanged dtype)."""
+    if not x.is_floating_point() or x.dtype == _REDUCE_DTYPE:
+        return reduce(x)
+    return reduce(x.to(_REDUCE_DTYPE)).to(x.dtype)
 
 
 def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -52,7 +82,7 @@ def _all_reduce(x: torch.Tensor) -> torch.Tensor:
     group = parallel_state.get_tensor_model_parallel_group()
     if collectives.group_size(group) == 1:
         return x
-    return collectives.all_reduce(x.contiguous().clone(), group)
+    return _in_reduce_dtype(x, lambda t: collectives.all_reduce(t.contiguous().clone(), group))
 
 
 def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
@@ -60,7 +90,8 @@ def _gather(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return collectives.reduce_scatter(x, dim, parallel_state.get_tensor_model_parallel_group())
+    group = parallel_state.get_tensor_model_parallel_group()
+    return _in_reduce_dtype(x, lambda t: collectives.reduce_scatter(t, dim, group))
 
 
 class _CopyToTP(torch.autograd.Function):

@@ -33,7 +33,8 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, shard_batch_for_context_parallel
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
-from nxd_lc.optim import build_optimizer, build_scheduler
+from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
+from nxd_lc.precision import apply_precision, resolve_precision
 from nxd_lc.runtime import xla as xla_runtime
 
 
@@ -52,7 +53,9 @@ class NxDLanguageModel(pl.LightningModule):
                  advance_samples_fn: Callable[[int], None] = lambda n: None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = model
+        self.precision_policy = resolve_precision(cfg)
+        self.model = apply_precision(model, self.precision_policy)
+        self._grad_acc_hooks: Optional[list[Any]] = None
         self._consumed_samples_fn = consumed_samples_fn
         self._advance_samples_fn = advance_samples_fn
         self._loss_acc: Optional[torch.Tensor] = None  # sum of micro-batch losses since the last step
@@ -156,10 +159,8 @@ class NxDLanguageModel(pl.LightningModule):
         """
         if not gradient_clip_val or self._grad_norm is None:
             return
-        coef = torch.clamp(gradient_clip_val / (self._grad_norm + 1e-6), max=1.0)
-        for p in self.trainable_parameters():
-            if p.grad is not None:
-                p.grad.mul_(coef.to(p.grad.dtype))
+        grads.scale_grads_(self.trainable_parameters(), torch.clamp(gradient_clip_val / (self._grad_norm + 1e-6),
+                                                                     max=1.0))
 
     def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any,
                        optimizer_closure: Optional[Callable[[], Any]] = None) -> None:
@@ -189,11 +190,29 @@ class NxDLanguageModel(pl.LightningModule):
         if em.log_parameter_norm:
             self.log("parameter_norm", grads.global_param_norm(self.trainable_parameters()), rank_zero_only=False)
 
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Refuse a ZeRO-1 optimizer checkpoint in a run without ``zero1`` (its state holds shards only).
+
+        Raises:
+            ValueError: naming ``distributed_strategy.zero1`` and the fix.
+        """
+        states = checkpoint.get("optimizer_states") or [{}]
+        saved = (states[0].get("nxd") or {}).get("zero1_world", 0)
+        if saved and not self.cfg.distributed_strategy.zero1:
+            raise ValueError(f"the checkpoint's optimizer state is sharded over {saved} DP x CP ranks (zero1) but "
+                             "distributed_strategy.zero1 is false: set it true with the same DP x CP size, or load "
+                             "weights only (model.weight_init_only: true)")
+
     def configure_optimizers(self) -> dict[str, Any]:
-        """Optimizer and per-step LR scheduler from ``model.optim`` (NeMo names)."""
+        """Optimizer and per-step LR scheduler from ``model.optim`` (NeMo names), wrapped for bf16 parameters and
+        ZeRO-1 (:class:`~nxd_lc.optim.NxDOptimizer`); fp32 gradient accumulation buffers are installed here,
+        after Lightning has moved the model to its device."""
         m = self.cfg.model
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        optimizer = build_optimizer(named, m.optim, m.do_layer_norm_weight_decay)
+        if self.precision_policy.fp32_grad_acc and self._grad_acc_hooks is None:
+            self._grad_acc_hooks = install_fp32_grad_accumulation([p for _, p in named])
+        optimizer = build_optimizer(named, m.optim, m.do_layer_norm_weight_decay, policy=self.precision_policy,
+                                    zero1=self.cfg.distributed_strategy.zero1, seed=self.cfg.seed)
         scheduler = build_scheduler(optimizer, m.optim.sched, self.cfg.trainer.max_steps)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -34,32 +34,63 @@ class NxDStrategy(DDPStrategy):
         save_xser: write model/optim shards in xser format (``exp_manager.save_xser``).
         load_xser: expect xser shards when loading (``exp_manager.load_xser``); the format is also auto-detected.
         save_bf16: cast floating model weights to bf16 on save (``exp_manager.save_bf16``).
+        zero1: optimizer state is sharded over DP x CP (``distributed_strategy.zero1``): every DP x CP rank
+            writes and reads its own ``optim/dp_rank_<r>_...`` file, ``r`` its rank in the DP x CP group.
+        use_master_weights_in_ckpt: write the optimizer's fp32 master weights as the model weights
+            (``exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt``; needs master weights).
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
 
     strategy_name = "nxd"
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
-                 **kwargs: Any) -> None:
+                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.save_xser = save_xser
         self.load_xser = load_xser
         self.save_bf16 = save_bf16
+        self.zero1 = zero1
+        self.use_master_weights_in_ckpt = use_master_weights_in_ckpt
 
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
 
     def _ranks(self) -> dict[str, int]:
-        return {"dp_rank": ps.get_data_parallel_rank(), "tp_rank": ps.get_tensor_model_parallel_rank(),
+        """File-name coordinates; under ZeRO-1 ``dp_rank`` is the rank in the DP x CP group (one optim shard each;
+        DP rank 0 / CP rank 0 is 0 there too, so the model file name is unchanged)."""
+        dp = ps.get_data_parallel_rank(with_context_parallel=True) if self.zero1 else ps.get_data_parallel_rank()
+        return {"dp_rank": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
                 "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+    def _master_weight_state(self, model_state: dict[str, Any]) -> dict[str, Any]:
+        """``model_state`` with each parameter replaced by its fp32 master weight (collective under ZeRO-1).
+
+        Raises:
+            ValueError: the optimizer keeps no master weights (the precision mode has none).
+        """
+        from nxd_lc.optim.wrapper import NxDOptimizer
+
+        opt = self.optimizers[0] if self.optimizers else None
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+        masters = opt.full_master_weights() if isinstance(opt, NxDOptimizer) else []
+        if not masters:
+            raise ValueError("exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt: the optimizer keeps "
+                             "no fp32 master weights in this precision mode; use precision.type mixed_precision / "
+                             "mixed_precisionSR (or manual with master_weights) or set it false")
+        assert self.lightning_module is not None
+        names = {id(p): n for n, p in self.lightning_module.named_parameters()}
+        out = dict(model_state)
+        for p, w in masters:
+            out[names[id(p)]] = w.detach().cpu() if w.device.type == "xla" else w.detach().clone()
+        return out
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Optional[Any] = None) -> None:
         """Write ``checkpoint`` as ``<dirname(filepath)>/<basename(filepath)>`` in NxD's layout, from all ranks.
 
         The model shard is written by DP rank 0 / CP rank 0 of each (TP, PP) position; optimizer shards likewise
-        (without ZeRO-1 every DP and CP rank holds the same optimizer state); trainer state goes to the
-        user-content file.
+        without ZeRO-1 (every DP and CP rank holds the same optimizer state), by every DP x CP rank with it;
+        trainer state goes to the user-content file.
         """
         if storage_options is not None:
             raise TypeError("NxDStrategy.save_checkpoint: storage_options are not supported")
@@ -67,13 +98,15 @@ class NxDStrategy(DDPStrategy):
         content = dict(checkpoint)
         model_state = content.pop(MODEL_KEY)
         optim_state = {k: content.pop(k) for k in OPTIM_KEYS if k in content}
+        if self.use_master_weights_in_ckpt and optim_state:
+            model_state = self._master_weight_state(model_state)
         ranks = self._ranks()
-        # model and (unsharded) optimizer state are identical over DP and CP: one writer per (TP, PP) position
-        writer = ranks["dp_rank"] == 0 and ps.get_context_parallel_rank() == 0
+        # model (and unsharded optimizer) state is identical over DP and CP: one writer per (TP, PP) position
+        writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         sharded.save_checkpoint(
             root, tag, model_state=model_state, optim_state=optim_state or None, user_content=content,
             is_global_zero=self.is_global_zero, write_model=writer,
-            write_optim=writer and bool(optim_state), use_xser=self.save_xser,
+            write_optim=(writer or self.zero1) and bool(optim_state), use_xser=self.save_xser,
             save_bf16=self.save_bf16, **ranks)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from nxd_lc.config.validate import data_parallel_size, seq_length
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.strategy import NxDStrategy
+from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
 
 
@@ -23,20 +24,27 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     """``accelerator`` / ``strategy`` / precision arguments: NxD strategy on CPU/CUDA, its XLA variant with the
     XLA accelerator and precision plugin on xla/neuron (:mod:`nxd_lc.lightning.xla`)."""
     em = cfg.exp_manager
-    ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16)
+    ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
+                use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
+                zero1=cfg.distributed_strategy.zero1)
+    autocast = resolve_precision(cfg).autocast_dtype is not None
     if is_xla_accelerator(runtime.accelerator):
         from nxd_lc.lightning.xla import NxDXLAAccelerator, NxDXLAPrecision, NxDXLAStrategy
 
-        return dict(accelerator=NxDXLAAccelerator(), strategy=NxDXLAStrategy(**ckpt), plugins=[NxDXLAPrecision()])
+        return dict(accelerator=NxDXLAAccelerator(), strategy=NxDXLAStrategy(**ckpt),
+                    plugins=[NxDXLAPrecision(autocast=autocast)])
     strategy = NxDStrategy(**ckpt, process_group_backend=runtime.backend)
-    return dict(accelerator=runtime.accelerator, strategy=strategy, precision="32-true")
+    # precision.type autocast: Lightning's bf16 autocast plugin; bf16 parameters are the module's (precision policy)
+    return dict(accelerator=runtime.accelerator, strategy=strategy, precision="bf16-mixed" if autocast else "32-true")
 
 
 def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overrides: Any) -> pl.Trainer:
     """A ``pl.Trainer`` honouring ``trainer.*`` and ``exp_manager.*``.
 
     Gradient accumulation comes from ``global_batch_size``; Lightning's distributed sampler is off (the data
-    module slices by DP rank); precision is fp32 ("32-true") until the precision issue. On xla/neuron the
+    module slices by DP rank); Lightning's precision is "32-true", or "bf16-mixed" (autocast) for
+    ``precision.type: autocast``; parameter dtypes, master weights and rounding are the module's
+    (:mod:`nxd_lc.precision`). On xla/neuron the
     accelerator, strategy and precision plugin are nxd_lc's XLA ones (:func:`_backend_kwargs`).
 
     Args:

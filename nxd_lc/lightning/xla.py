@@ -21,6 +21,8 @@ Works with pytorch-lightning 2.6 and torch-xla 2.9 (``PJRT_DEVICE=CPU`` off Trai
 from __future__ import annotations
 
 import os
+from collections.abc import Generator
+from contextlib import contextmanager
 from functools import partial
 from typing import Any, Callable, Optional, Union
 
@@ -82,12 +84,23 @@ class NxDXLAPrecision(XLAPrecision):
     """fp32 XLA precision whose optimizer step neither reduces gradients nor cuts the graph.
 
     Gradient reduction is the module's (``on_before_optimizer_step``), the graph cut the module's step boundary.
+    With ``autocast`` the forward runs under ``torch.autocast('xla', bfloat16)`` (``precision.type: autocast``).
     Lower precisions on Trainium are set by the environment (``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16``, from
     ``precision.type`` in :mod:`nxd_lc.runtime.env`), not by this plugin.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, autocast: bool = False) -> None:
         super().__init__("32-true")
+        self.autocast = autocast
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """``torch.autocast('xla', bfloat16)`` around forward/loss for ``precision.type: autocast``."""
+        if not self.autocast:
+            yield
+            return
+        with torch.autocast("xla", dtype=torch.bfloat16):
+            yield
 
     def optimizer_step(self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any],
                        **kwargs: Any) -> Any:
@@ -115,17 +128,17 @@ class NxDXLAStrategy(NxDStrategy, XLAStrategy):
     """:class:`NxDStrategy` (NxD checkpoints, explicit gradient reduction) on an XLA device.
 
     Args:
-        save_xser / load_xser / save_bf16: as :class:`NxDStrategy`.
+        save_xser / load_xser / save_bf16 / zero1 / use_master_weights_in_ckpt: as :class:`NxDStrategy`.
         **kwargs: passed on (accelerator, parallel_devices, ...).
     """
 
     strategy_name = "nxd_xla"
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
-                 **kwargs: Any) -> None:
+                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, **kwargs: Any) -> None:
         xla_runtime.require_torch_xla("NxDXLAStrategy")
-        super().__init__(save_xser=save_xser, load_xser=load_xser, save_bf16=save_bf16,
-                         sync_module_states=False, **kwargs)
+        super().__init__(save_xser=save_xser, load_xser=load_xser, save_bf16=save_bf16, zero1=zero1,
+                         use_master_weights_in_ckpt=use_master_weights_in_ckpt, sync_module_states=False, **kwargs)
         # torchrun (or the single-process variables set by init_distributed), not XLA's own launcher
         self.cluster_environment = (TorchElasticEnvironment() if TorchElasticEnvironment.detect()
                                     else LightningEnvironment())

@@ -17,16 +17,19 @@ from nxd_lc.optim.schedulers import (
     cosine_annealing_lr,
     linear_annealing_with_warmup_lr,
 )
+from nxd_lc.optim.wrapper import NxDOptimizer, install_fp32_grad_accumulation
 
 __all__ = [
     "OPTIMIZER_BUILDERS",
     "SCHEDULE_NAMES",
     "Novograd",
+    "NxDOptimizer",
     "build_optimizer",
     "build_scheduler",
     "constant_lr",
     "cosine_annealing_lr",
     "exponential_lr",
+    "install_fp32_grad_accumulation",
     "is_no_decay_param",
     "linear_annealing_with_warmup_lr",
     "noam_annealing_lr",

@@ -32,6 +32,7 @@ import torch
 from nxd_lc.config.schema import OptimConfig
 from nxd_lc.config.validate import OPTIMIZERS
 from nxd_lc.optim.novograd import Novograd
+from nxd_lc.precision.policy import PrecisionPolicy
 
 ParamGroup = dict[str, Any]
 
@@ -244,7 +245,8 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[list[ParamGroup], OptimConfig], torch.op
 
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], optim_cfg: OptimConfig,
-                    do_layer_norm_weight_decay: bool) -> torch.optim.Optimizer:
+                    do_layer_norm_weight_decay: bool, policy: PrecisionPolicy | None = None, zero1: bool = False,
+                    seed: int = 0) -> torch.optim.Optimizer:
     """Build the optimizer named by ``model.optim.name`` over the trainable parameters.
 
     Args:
@@ -253,9 +255,14 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
             passed to the torch.optim class of the same name); ``sched`` is read by
             :func:`nxd_lc.optim.schedulers.build_scheduler`.
         do_layer_norm_weight_decay: ``model.do_layer_norm_weight_decay`` (see :func:`param_groups`).
+        policy: the precision policy; with bf16 parameters (or ``zero1``) the torch optimizer is wrapped in
+            :class:`~nxd_lc.optim.wrapper.NxDOptimizer` (fp32 master weights / stochastic rounding / ZeRO-1).
+        zero1: ``distributed_strategy.zero1``: shard optimizer state and master weights over DP x CP.
+        seed: seed of the stochastic-rounding generator.
 
     Returns:
-        A torch optimizer whose groups are those of :func:`param_groups`, each with ``lr = optim_cfg.lr``.
+        A torch optimizer whose groups are those of :func:`param_groups`, each with ``lr = optim_cfg.lr``
+        (an :class:`~nxd_lc.optim.wrapper.NxDOptimizer` when wrapped).
 
     Raises:
         ValueError: ``not supported yet: model.optim.name=<x>`` for NeMo names without an implementation yet;
@@ -273,4 +280,9 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
                          f"weight_decay={optim_cfg.weight_decay}")
     _check_unused_keys(name, optim_cfg)
     groups = param_groups(named_params, optim_cfg.weight_decay, do_layer_norm_weight_decay)
-    return OPTIMIZER_BUILDERS[name](groups, optim_cfg)
+    builder = OPTIMIZER_BUILDERS[name]
+    if policy is not None and (policy.low_precision_params or zero1):
+        from nxd_lc.optim.wrapper import NxDOptimizer
+
+        return NxDOptimizer(groups, lambda gs: builder(gs, optim_cfg), policy, zero1=zero1, seed=seed)
+    return builder(groups, optim_cfg)

@@ -1,0 +1,284 @@
+"""Optimizer wrapper for bf16 parameters (fp32 master weights, stochastic rounding) and ZeRO-1 sharding.
+
+:class:`NxDOptimizer` wraps a torch optimizer (built by :func:`nxd_lc.optim.build_optimizer`) that steps fp32
+*working* tensors instead of the model's parameters:
+
+* one working tensor per model parameter: its full fp32 value, or under ZeRO-1 (``distributed_strategy.zero1``)
+  this rank's contiguous slice of the flattened parameter, padded to a multiple of the DP x CP size
+  (ZeRO stage 1, Rajbhandari et al. 2020; NxD ``NeuronZero1Optimizer`` shards over DP the same way);
+* persistent (fp32 **master weights**) when the policy asks for them or the parameters are fp32 (then the
+  working tensor is the param's shard); otherwise (``bf16SR``) allocated from the bf16 parameter at each step
+  and freed after it, so bf16SR keeps no fp32 copy between steps;
+* gradient: the fp32 ``main_grad`` buffer (fp32 gradient accumulation, :func:`install_fp32_grad_accumulation`)
+  or the parameter's ``.grad`` cast to fp32, sliced to this rank's shard under ZeRO-1;
+* after the inner step the fp32 result is written back to the parameter: round-to-nearest, or **stochastic
+  rounding** to bf16 (:func:`nxd_lc.precision.stochastic_round_to_bf16`, unbiased); under ZeRO-1 the rounded
+  shards are all-gathered over DP x CP, bucketed;
+* optimizer state is kept in ``optim_state_dtype`` between steps (bf16 for bf16SR + adamw, as on Trainium where
+  ``XLA_USE_BF16`` makes the state bf16) and computed in fp32 during the step.
+
+Stochastic rounding uses a generator seeded with ``seed`` (plus the shard index under ZeRO-1) so that
+data-parallel replicas round identically and stay equal; its state is saved with the optimizer.
+
+Gradients are reduced by the LightningModule before the step (all-reduce over DP x CP, see
+:mod:`nxd_lc.distributed.grads`); ZeRO-1 here shards optimizer state and master weights, not the gradient
+communication (NxD reduce-scatters instead; same result, half the gradient traffic).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from nxd_lc.distributed import collectives
+from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.precision.policy import PrecisionPolicy
+from nxd_lc.precision.stochastic_rounding import stochastic_round_to_bf16
+
+ParamGroup = dict[str, Any]
+_GATHER_BUCKET_BYTES = 64 * 1024 * 1024
+
+
+def install_fp32_grad_accumulation(params: list[nn.Parameter]) -> list[Any]:
+    """Accumulate each bf16 parameter's gradient in an fp32 ``param.main_grad`` buffer (Megatron's name).
+
+    A post-accumulate-grad hook adds ``param.grad`` to ``main_grad`` in fp32 and frees ``param.grad``, so no
+    bf16 gradient outlives its backward and micro-batch sums are exact in fp32. Code that reads gradients uses
+    :func:`nxd_lc.distributed.grads.grad_of`. Requires torch >= 2.1 (``register_post_accumulate_grad_hook``).
+
+    Args:
+        params: parameters to equip (fp32 parameters are skipped: their grads are fp32 already).
+
+    Returns:
+        the hook handles (call ``.remove()`` to uninstall).
+    """
+    handles = []
+    for p in params:
+        if p.dtype == torch.float32 or not p.requires_grad:
+            continue
+        p.main_grad = torch.zeros(p.shape, dtype=torch.float32, device=p.device)  # type: ignore[attr-defined]
+
+        def hook(param: nn.Parameter) -> None:
+            param.main_grad.add_(param.grad)
+            param.grad = None
+
+        handles.append(p.register_post_accumulate_grad_hook(hook))
+    return handles
+
+
+@dataclass
+class _Slot:
+    """One model parameter and its working tensor (full, or this rank's ZeRO-1 shard ``[start, stop)`` of the
+    flattened parameter; ``shard_numel`` includes padding)."""
+
+    param: nn.Parameter
+    work: nn.Parameter
+    start: int
+    stop: int
+    shard_numel: int
+
+
+class NxDOptimizer(torch.optim.Optimizer):
+    """A torch optimizer over fp32 working tensors of (possibly bf16, possibly ZeRO-1-sharded) parameters.
+
+    Args:
+        groups: parameter groups of the *model* parameters (:func:`nxd_lc.optim.param_groups`).
+        build_inner: builds the torch optimizer from groups of the same layout (``params`` replaced by the
+            working tensors).
+        policy: the run's :class:`~nxd_lc.precision.PrecisionPolicy`.
+        zero1: shard state and master weights over the DP x CP group (``distributed_strategy.zero1``).
+        seed: seed of the stochastic-rounding generator (``seed`` of the config).
+
+    ``param_groups`` and ``state`` are the inner optimizer's, so LR schedulers and Lightning see one optimizer.
+    """
+
+    def __init__(self, groups: list[ParamGroup], build_inner: Callable[[list[ParamGroup]], torch.optim.Optimizer],
+                 policy: PrecisionPolicy, zero1: bool = False, seed: int = 0) -> None:
+        self.policy = policy
+        self.zero1 = zero1
+        self._group = ps.get_data_parallel_group(with_context_parallel=True) if zero1 else None
+        self._world = ps.get_data_parallel_world_size(with_context_parallel=True) if zero1 else 1
+        self._rank = ps.get_data_parallel_rank(with_context_parallel=True) if zero1 else 0
+        self.persistent = policy.master_weights or not policy.low_precision_params
+        self.slots: list[_Slot] = []
+        inner_groups = []
+        for g in groups:
+            works = [self._make_slot(p).work for p in g["params"]]
+            inner_groups.append({**g, "params": works})
+        self.inner = build_inner(inner_groups)
+        device = self.slots[0].param.device if self.slots else torch.device("cpu")
+        self._generator = torch.Generator(device=device.type if device.type != "xla" else "cpu")
+        self._generator.manual_seed(int(seed) + 7919 * self._rank)
+        super().__init__([s.work for s in self.slots], dict(self.inner.defaults))
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._store_state(policy.optim_state_dtype)
+
+    # ---- construction -------------------------------------------------------------------------------------
+    def _shard_range(self, numel: int) -> tuple[int, int, int]:
+        per = math.ceil(numel / self._world)
+        start = min(self._rank * per, numel)
+        return start, min(start + per, numel), per
+
+    def _make_slot(self, p: nn.Parameter) -> _Slot:
+        start, stop, per = self._shard_range(p.numel()) if self.zero1 else (0, p.numel(), p.numel())
+        if self.persistent:
+            src = p.detach().reshape(-1)[start:stop] if self.zero1 else p.detach()
+            work = nn.Parameter(src.to(torch.float32).clone())
+        else:
+            work = nn.Parameter(torch.empty(0, dtype=torch.float32, device=p.device))
+        slot = _Slot(p, work, start, stop, per)
+        self.slots.append(slot)
+        return slot
+
+    # ---- step ---------------------------------------------------------------------------------------------
+    def _shard(self, s: _Slot, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (parameter-shaped) -> the working tensor's layout, fp32."""
+        flat = full.reshape(-1)[s.start:s.stop] if self.zero1 else full
+        return flat.to(torch.float32)
+
+    def _load_work(self) -> None:
+        from nxd_lc.distributed.grads import grad_of
+
+        for s in self.slots:
+            if not self.persistent:
+                s.work.data = self._shard(s, s.param.detach()).clone()
+            g = grad_of(s.param)
+            s.work.grad = None if g is None else self._shard(s, g).clone()
+
+    def _store_state(self, dtype: torch.dtype) -> None:
+        """Cast floating state tensors (not ``step``) to ``dtype`` in place of the old ones."""
+        for state in self.inner.state.values():
+            for k, v in state.items():
+                if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dtype != dtype:
+                    state[k] = v.to(dtype)
+
+    def _rounded(self, s: _Slot) -> torch.Tensor:
+        """The working tensor in the parameter's dtype (stochastic rounding when the policy says so)."""
+        w = s.work.detach()
+        if s.param.dtype == torch.bfloat16 and self.policy.stochastic_rounding:
+            gen = self._generator if self._generator.device.type == w.device.type else None
+            return stochastic_round_to_bf16(w, gen)
+        return w.to(s.param.dtype)
+
+    def _write_back(self) -> None:
+        if not self.zero1:
+            for s in self.slots:
+                s.param.data.copy_(self._rounded(s).view_as(s.param))
+            return
+        bucket: list[_Slot] = []
+        size = 0
+        for s in self.slots:
+            bucket.append(s)
+            size += s.shard_numel * s.param.element_size() * self._world
+            if size >= _GATHER_BUCKET_BYTES:
+                self._gather_bucket(bucket)
+                bucket, size = [], 0
+        if bucket:
+            self._gather_bucket(bucket)
+
+    def _gather_bucket(self, bucket: list[_Slot]) -> None:
+        """All-gather the rounded shards of ``bucket`` (same dtype per bucket is required: split by dtype)."""
+        by_dtype: dict[torch.dtype, list[_Slot]] = {}
+        for s in bucket:
+            by_dtype.setdefault(s.param.dtype, []).append(s)
+        for dtype, slots in by_dtype.items():
+            pieces = []
+            for s in slots:
+                local = self._rounded(s)
+                pad = s.shard_numel - local.numel()
+                pieces.append(torch.nn.functional.pad(local, (0, pad)) if pad else local)
+            total = sum(s.shard_numel for s in slots)
+            gathered = collectives.all_gather(torch.cat(pieces).to(dtype), 0, self._group).view(self._world, total)
+            offset = 0
+            for s in slots:
+                full = gathered[:, offset:offset + s.shard_numel].reshape(-1)[: s.param.numel()]
+                s.param.data.copy_(full.view_as(s.param))
+                offset += s.shard_numel
+
+    @torch.no_grad()
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
+        """Run ``closure`` (forward/backward/grad reduction), step the fp32 working tensors, write them back.
+
+        Returns:
+            the closure's result (None without closure).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._load_work()
+        self._store_state(torch.float32)
+        self.inner.step()
+        self._store_state(self.policy.optim_state_dtype)
+        self._write_back()
+        for s in self.slots:
+            s.work.grad = None
+            if not self.persistent:
+                s.work.data = s.work.data.new_empty(0)
+        return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Clear the model parameters' gradients (and zero their fp32 ``main_grad`` buffers)."""
+        for s in self.slots:
+            s.param.grad = None
+            mg = getattr(s.param, "main_grad", None)
+            if mg is not None:
+                mg.zero_()
+            s.work.grad = None
+
+    # ---- checkpoint ---------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:  # type: ignore[override]
+        """The inner optimizer's state dict plus ``nxd``: master weights (this rank's shards), the ZeRO-1 layout
+        and the stochastic-rounding generator state."""
+        sd = self.inner.state_dict()
+        sd["nxd"] = {"master_weights": [s.work.detach().clone() for s in self.slots] if self.persistent else None,
+                     "zero1_world": self._world if self.zero1 else 0, "zero1_rank": self._rank,
+                     "sr_generator": self._generator.get_state()}
+        return sd
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:  # type: ignore[override]
+        """Restore state, master weights and generator.
+
+        Raises:
+            ValueError: the checkpoint was written with another ZeRO-1 layout (DP x CP size or zero1 on/off).
+        """
+        sd = dict(state_dict)
+        extra = sd.pop("nxd", None) or {}
+        saved_world = extra.get("zero1_world", 0)
+        mine = self._world if self.zero1 else 0
+        if saved_world != mine:
+            raise ValueError(
+                f"optimizer checkpoint was written with zero1 over {saved_world or 'no'} DP x CP ranks but this run "
+                f"uses {mine or 'no'} zero1 ranks: resume with the same distributed_strategy.zero1 and DP x CP "
+                "size, or load weights only (model.weight_init_only: true)")
+        self.inner.load_state_dict(sd)
+        self.param_groups = self.inner.param_groups
+        self.state = self.inner.state
+        self._store_state(self.policy.optim_state_dtype)
+        masters = extra.get("master_weights")
+        if masters is not None and self.persistent:
+            for s, m in zip(self.slots, masters):
+                s.work.data.copy_(m.to(s.work.device))
+        if "sr_generator" in extra:
+            self._generator.set_state(extra["sr_generator"])
+
+    def full_master_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """(model parameter, its full fp32 master value) for every parameter; all-gathered under ZeRO-1
+        (collective over DP x CP: every rank must call it). Empty without persistent master weights."""
+        if not self.persistent:
+            return []
+        out = []
+        for s in self.slots:
+            w = s.work.detach()
+            if self.zero1:
+                pad = s.shard_numel - w.numel()
+                w = torch.nn.functional.pad(w, (0, pad)) if pad else w
+                w = collectives.all_gather(w.contiguous(), 0, self._group)[: s.param.numel()]
+            out.append((s.param, w.reshape(s.param.shape)))
+        return out
