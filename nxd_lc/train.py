@@ -108,7 +108,57 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     if checkpointed:
         log.info("activation checkpointing (%s): %d modules recomputed in backward",
                  m.activations_checkpoint_granularity, len(checkpointed))
+    if m.peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
+        _apply_peft(model, m.peft)
     return hf_config, model
+
+
+def _apply_peft(model: Any, peft: Any) -> None:
+    """Wrap ``model.peft.target_modules`` with LoRA adapters (only they train); load saved adapters if asked."""
+    import torch
+
+    from nxd_lc.layers.lora import apply_lora, load_lora_state_dict
+
+    wrapped = apply_lora(model, peft)
+    log.info("LoRA rank %d alpha %g on %d modules (%s); %d trainable parameters on this rank", peft.lora_rank,
+             peft.lora_alpha, len(wrapped), ", ".join(sorted(peft.target_modules)),
+             sum(p.numel() for p in model.parameters() if p.requires_grad))
+    if peft.load_lora_from_ckpt:
+        if not peft.lora_ckpt_path:
+            raise ValueError("model.peft.load_lora_from_ckpt: set model.peft.lora_ckpt_path to an adapter file")
+        state = torch.load(resolve_path(peft.lora_ckpt_path), map_location="cpu", weights_only=True)
+        load_lora_state_dict(model, state, full=True)
+
+
+def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) -> None:
+    """End of a LoRA run: ``<log_dir>/lora/adapters.pt`` (full, TP-independent adapters; load with
+    ``model.peft.load_lora_from_ckpt``), and with ``model.peft.merge_lora`` the merged model as an HF directory
+    ``<log_dir>/hf_merged`` (adapters folded into the base weights, plus the tokenizer when it is an HF dir).
+    Collective over TP (every rank calls it); rank 0 writes, atomically (temp name + rename)."""
+    import torch
+
+    from nxd_lc.distributed import collectives
+    from nxd_lc.layers.lora import lora_state_dict, merge_lora
+    from nxd_lc.models.llama.hf_adapter import save_hf_weights
+
+    adapters = lora_state_dict(model, full=True)
+    if is_rank0:
+        os.makedirs(os.path.join(log_dir, "lora"), exist_ok=True)
+        path = os.path.join(log_dir, "lora", "adapters.pt")
+        torch.save(adapters, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        log.info("LoRA adapters saved: %s", path)
+    if cfg.model.peft.merge_lora:
+        merge_lora(model)
+        out = os.path.join(log_dir, "hf_merged")
+        save_hf_weights(model, out)  # collective; rank 0 writes
+        tok = cfg.data.tokenizer.type
+        if is_rank0 and tok and os.path.isdir(resolve_path(tok)):
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(resolve_path(tok)).save_pretrained(out)
+            log.info("merged model saved: %s", out)
+    collectives.barrier()
 
 
 def load_model_weights(model: Any, checkpoint_path: str) -> None:
@@ -156,10 +206,8 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
 
 def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     from nxd_lc.context import set_context_parallel_algo
-    from nxd_lc.data.datamodule import PretrainingDataModule
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
-    from nxd_lc.lightning.module import NxDLanguageModel
     from nxd_lc.lightning.trainer import build_trainer
     from nxd_lc.models.common.attention import set_nki_options
     from nxd_lc.runtime.device import init_distributed, resolve_accelerator
@@ -185,12 +233,8 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     pl.seed_everything(cfg.seed, workers=True)
     hf_config, model = build_model(cfg)
     model.to(runtime.device)
-    data = PretrainingDataModule(
-        cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=hf_config.vocab_size,
-        data_parallel_rank=ps.get_data_parallel_rank(), data_parallel_size=ps.get_data_parallel_world_size(),
-        global_batch_size=cfg.data.global_batch_size)
-    module = NxDLanguageModel(cfg, model, consumed_samples_fn=lambda: data.consumed_samples,
-                              advance_samples_fn=data.advance)
+    data = _data_module(cfg, hf_config.vocab_size)
+    module = _lightning_module(cfg, model, data)
     exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
     ckpt_path, weights_path = exp_manager.resume_plan(cfg, paths)
     if weights_path:
@@ -200,7 +244,37 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
+    if cfg.model.peft is not None and not cfg.prewarm:
+        save_lora_outputs(cfg, model, paths.log_dir, runtime.rank == 0)
     return trainer
+
+
+def _data_module(cfg: NxdConfig, vocab_size: int) -> Any:
+    """Pretraining data, or SFT / DPO / ORPO records with ``model_alignment_strategy`` (sharded by DP rank)."""
+    from nxd_lc.data.datamodule import PretrainingDataModule
+    from nxd_lc.distributed import parallel_state as ps
+
+    kwargs = dict(seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=vocab_size,
+                  data_parallel_rank=ps.get_data_parallel_rank(),
+                  data_parallel_size=ps.get_data_parallel_world_size(), global_batch_size=cfg.data.global_batch_size)
+    if cfg.model_alignment_strategy is None:
+        return PretrainingDataModule(cfg.data, **kwargs)
+    from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule
+
+    return ModelAlignmentDataModule(cfg.data, cfg.model_alignment_strategy, **kwargs)
+
+
+def _lightning_module(cfg: NxdConfig, model: Any, data: Any) -> Any:
+    """The LightningModule: causal-LM loss (pretraining, SFT) or the preference objective (DPO, ORPO)."""
+    from nxd_lc.lightning.module import NxDLanguageModel
+
+    kwargs = dict(consumed_samples_fn=lambda: data.consumed_samples, advance_samples_fn=data.advance)
+    strategy = cfg.model_alignment_strategy
+    if strategy is None or strategy.algorithm == "sft":
+        return NxDLanguageModel(cfg, model, **kwargs)
+    from nxd_lc.alignment.module import NxDPreferenceModel
+
+    return NxDPreferenceModel(cfg, model, data=data, **kwargs)
 
 
 def hydra_defaults() -> list[str]:

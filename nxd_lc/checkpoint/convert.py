@@ -216,8 +216,9 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
 
 
 def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_rank: int,
-                     use_xser: bool | None = None) -> None:
-    """Copy this TP rank's model shard of ``<ckpt_root>/<tag>`` into ``model`` (strict: every parameter).
+                     use_xser: bool | None = None, adapters_only: bool = False) -> None:
+    """Copy this TP rank's model shard of ``<ckpt_root>/<tag>`` into ``model`` (strict: every parameter; with
+    ``adapters_only`` every LoRA adapter, the checkpoint of ``model.peft.save_lora_base: false``).
 
     Raises:
         FileNotFoundError: see :func:`nxd_lc.checkpoint.sharded.load_checkpoint`.
@@ -232,7 +233,10 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
                          f"(got {keys}); it was not written by nxd_lc's training module")
     local = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
     try:
-        model.load_state_dict(local, strict=True)
+        result = model.load_state_dict(local, strict=not adapters_only)
+        missing = [k for k in result.missing_keys if k.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]
+        if missing or result.unexpected_keys:
+            raise RuntimeError(f"missing adapters {missing[:3]}, unexpected keys {result.unexpected_keys[:3]}")
     except RuntimeError as e:
         raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)} does not match the model of the config "
                          f"(model.model_config, hf_config_overrides, fuse_qkv, qkv_linear, kv_replicator must "
@@ -323,8 +327,15 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
                          f"{tag_dir} has TP size {tp}")
     try:
         rank0 = collectives.get_global_rank() == 0
-        model = build_model(cfg)
-        load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser)
+        peft = cfg.model.peft
+        lora_only = peft is not None and not peft.save_lora_base  # base weights from model.hf_weights_dir
+        model = build_model(cfg, load_weights=lora_only)
+        load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser,
+                         adapters_only=lora_only)
+        if peft is not None:
+            from nxd_lc.layers.lora import merge_lora
+
+            merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
         tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None
         parent, name = os.path.split(output)
         staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")

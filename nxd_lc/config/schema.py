@@ -16,6 +16,9 @@ from typing import Any, Dict, List, Optional
 
 from hydra.core.config_store import ConfigStore
 
+from nxd_lc.config.alignment_schema import ALIGNMENT_KEY_ALIASES, ModelAlignmentStrategyConfig
+from nxd_lc.config.peft_schema import PeftConfig
+
 
 @dataclass
 class TrainerConfig:
@@ -97,6 +100,7 @@ class TokenizerConfig:
     vocab_size: int = 8192  # vocab size when training a byte-level BPE
     train_max_bytes: int = 16_000_000  # corpus bytes used to train the BPE (first files in sorted order)
     cache_dir: Optional[str] = None  # where trained tokenizers / tokenized corpora are cached (./.cache/nxd_lc)
+    chat_template: Optional[str] = "default"  # alignment: default (the tokenizer's own) | null (concat) | jinja
 
 
 @dataclass
@@ -115,6 +119,9 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
     cross_document_attention: bool = False  # False: attention stays inside each packed document (ProLong)
+    dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
+    input_key: str = "input"  # alignment (NxDT SFT records): key of the prompt text
+    output_key: str = "output"  # alignment (NxDT SFT records): key of the response text
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
 
@@ -190,6 +197,7 @@ class ModelConfig:
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
     optim: OptimConfig = field(default_factory=OptimConfig)
+    peft: Optional[PeftConfig] = None  # LoRA adapters on the TP projections (null: full fine-tuning)
 
 
 @dataclass
@@ -218,6 +226,7 @@ class NxdConfig:
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    model_alignment_strategy: Optional[ModelAlignmentStrategyConfig] = None  # sft | dpo | orpo fine-tuning
     compiler_flags: str = ""  # appended to NEURON_CC_FLAGS
     compiler_cache_url: str = "./compiler_cache"  # NEURON_COMPILE_CACHE_URL
     async_exec_max_inflight_requests: Optional[int] = None  # NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS
@@ -231,6 +240,7 @@ class NxdConfig:
 #: Accepted spellings that map to a canonical key, as (dotted alias, dotted canonical key).
 KEY_ALIASES: tuple[tuple[str, str], ...] = (
     ("aync_exec_max_inflight_requests", "async_exec_max_inflight_requests"),  # NxDT's own misspelling
+    *ALIGNMENT_KEY_ALIASES,
 )
 
 

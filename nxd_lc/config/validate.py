@@ -10,6 +10,7 @@ dry run prints.
 from __future__ import annotations
 
 import dataclasses
+import typing
 import difflib
 import json
 import logging
@@ -19,6 +20,8 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from nxd_lc.config.alignment_schema import validate_alignment
+from nxd_lc.config.peft_schema import peft_problems
 from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.config.schema import KEY_ALIASES, NxdConfig
 
@@ -52,12 +55,18 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 
 
 def _nested_type(cls: type, name: str) -> type | None:
-    """The dataclass type of field ``name`` of ``cls`` if it is a nested section, else None."""
+    """The dataclass type of field ``name`` of ``cls`` if it is a nested section (also an optional one,
+    ``Optional[Section] = None`` such as ``model.peft``), else None."""
     default = _fields(cls)[name].default_factory  # type: ignore[misc]
     if default is not dataclasses.MISSING:
         value = default()
         if dataclasses.is_dataclass(value):
             return type(value)
+    hint = typing.get_type_hints(cls).get(name)
+    if typing.get_origin(hint) is typing.Union:
+        sections = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+        if len(sections) == 1:
+            return sections[0]
     return None
 
 
@@ -129,15 +138,26 @@ def _check_types(data: Mapping[str, Any], cls: type, prefix: str, problems: list
                             f"{str(e).splitlines()[0]}")
 
 
+def _parent(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, str]:
+    """(the dict holding the last component of ``dotted``, that component); None when a parent is missing."""
+    *path, leaf = dotted.split(".")
+    node: Any = data
+    for part in path:
+        node = node.get(part) if isinstance(node, dict) else None
+    return (node if isinstance(node, dict) else None), leaf
+
+
 def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
     for alias, canonical in KEY_ALIASES:
-        if alias in data:
-            if canonical in data and data[canonical] is not None:
+        node, leaf = _parent(data, alias)
+        target = canonical.rsplit(".", 1)[-1]
+        if node is not None and leaf in node:
+            if target in node and node[target] is not None:
                 problems.append(f"{alias}: NxDT alias of '{canonical}'; give only one of them")
-                data.pop(alias)
+                node.pop(leaf)
                 continue
             log.info("config: '%s' (NxDT spelling) is read as '%s'", alias, canonical)
-            data[canonical] = data.pop(alias)
+            node[target] = node.pop(leaf)
     prec = data.get("precision")
     if isinstance(prec, dict) and prec.get("type") in PRECISION_ALIASES:
         canonical = PRECISION_ALIASES[prec["type"]]
@@ -401,7 +421,18 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
                  f"hold {sched.hold_steps} exceeds sched.max_steps {sched.max_steps}")
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
-    return p + _precision_problems(cfg)
+    return p + _precision_problems(cfg) + _alignment_problems(cfg)
+
+
+def _alignment_problems(cfg: NxdConfig) -> list[str]:
+    """``model_alignment_strategy`` / alignment ``data.*`` keys and ``model.peft`` (LoRA)."""
+    p = validate_alignment(cfg.model_alignment_strategy, cfg.data, seq_length(cfg)) + peft_problems(cfg.model.peft)
+    peft = cfg.model.peft
+    if peft is not None and cfg.model.tiled_mlp_chunk_size and {"gate_up_proj", "down_proj"} & set(
+            peft.target_modules or []):
+        p.append("model.tiled_mlp_chunk_size: the tiled MLP reads the base weights and would skip LoRA adapters on "
+                 "gate_up_proj / down_proj; unset it or drop those from model.peft.target_modules")
+    return p
 
 
 def _precision_problems(cfg: NxdConfig) -> list[str]:

@@ -27,6 +27,11 @@ MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
 
 
+def _is_lora_key(key: str) -> bool:
+    """True for LoRA adapter entries of a state dict (``...lora_A`` / ``...lora_B``)."""
+    return key.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
+
+
 class NxDStrategy(DDPStrategy):
     """DDPStrategy without the DDP wrapper and with NxD sharded (optionally xser) checkpoints.
 
@@ -38,14 +43,18 @@ class NxDStrategy(DDPStrategy):
             writes and reads its own ``optim/dp_rank_<r>_...`` file, ``r`` its rank in the DP x CP group.
         use_master_weights_in_ckpt: write the optimizer's fp32 master weights as the model weights
             (``exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt``; needs master weights).
+        lora_only: model shards hold the LoRA adapters alone (``model.peft`` with ``save_lora_base: false``); the
+            frozen base weights come from ``model.hf_weights_dir`` on resume.
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
 
     strategy_name = "nxd"
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
-                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, **kwargs: Any) -> None:
+                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, lora_only: bool = False,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.lora_only = lora_only
         self.save_xser = save_xser
         self.load_xser = load_xser
         self.save_bf16 = save_bf16
@@ -100,6 +109,8 @@ class NxDStrategy(DDPStrategy):
         optim_state = {k: content.pop(k) for k in OPTIM_KEYS if k in content}
         if self.use_master_weights_in_ckpt and optim_state:
             model_state = self._master_weight_state(model_state)
+        if self.lora_only:
+            model_state = {k: v for k, v in model_state.items() if _is_lora_key(k)}
         ranks = self._ranks()
         # model (and unsharded optimizer) state is identical over DP and CP: one writer per (TP, PP) position
         writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -123,7 +134,15 @@ class NxDStrategy(DDPStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the local shard; bf16-saved weights (save_bf16) are cast back to the parameters' dtype."""
         assert self.lightning_module is not None
-        self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=strict)
+        if not self.lora_only:
+            self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=strict)
+            return
+        result = self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=False)
+        missing = [k for k in result.missing_keys if _is_lora_key(k)]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"adapter-only checkpoint does not match the LoRA model (model.peft): missing "
+                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}; resume with the same "
+                             "model.peft.target_modules / lora_rank")
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove ``<root>/<tag>`` (rank 0, atomically: renamed away before deletion)."""

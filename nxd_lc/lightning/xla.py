@@ -128,17 +128,20 @@ class NxDXLAStrategy(NxDStrategy, XLAStrategy):
     """:class:`NxDStrategy` (NxD checkpoints, explicit gradient reduction) on an XLA device.
 
     Args:
-        save_xser / load_xser / save_bf16 / zero1 / use_master_weights_in_ckpt: as :class:`NxDStrategy`.
+        save_xser / load_xser / save_bf16 / zero1 / use_master_weights_in_ckpt / lora_only: as
+            :class:`NxDStrategy`.
         **kwargs: passed on (accelerator, parallel_devices, ...).
     """
 
     strategy_name = "nxd_xla"
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
-                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, **kwargs: Any) -> None:
+                 zero1: bool = False, use_master_weights_in_ckpt: bool = False, lora_only: bool = False,
+                 **kwargs: Any) -> None:
         xla_runtime.require_torch_xla("NxDXLAStrategy")
         super().__init__(save_xser=save_xser, load_xser=load_xser, save_bf16=save_bf16, zero1=zero1,
-                         use_master_weights_in_ckpt=use_master_weights_in_ckpt, sync_module_states=False, **kwargs)
+                         use_master_weights_in_ckpt=use_master_weights_in_ckpt, lora_only=lora_only,
+                         sync_module_states=False, **kwargs)
         # torchrun (or the single-process variables set by init_distributed), not XLA's own launcher
         self.cluster_environment = (TorchElasticEnvironment() if TorchElasticEnvironment.detect()
                                     else LightningEnvironment())

@@ -1,0 +1,37 @@
+"""Alignment objectives: sequence log-probs from vocab-parallel logits (TP- and CP-aware) and the DPO / ORPO
+losses with their reward metrics.
+
+A DPO step: concatenate the chosen and rejected sequences on the batch dim, shard over CP, run the policy once,
+``sequence_log_probs`` -> ``split_chosen_rejected`` -> ``dpo_loss`` (see :mod:`nxd_lc.alignment.logprobs` for the
+``cp`` factor the training step applies before backward).
+"""
+
+from nxd_lc.alignment.logprobs import (
+    all_reduce_context_parallel,
+    mean_log_probs,
+    sequence_log_probs,
+    split_chosen_rejected,
+)
+from nxd_lc.alignment.losses import (
+    DPO_LOSS_TYPES,
+    DPO_PREFERENCE_LOSS_TYPES,
+    dpo_loss,
+    log1mexp,
+    orpo_loss,
+    parse_dpo_loss_type,
+    uses_length_normalised_log_probs,
+)
+
+__all__ = [
+    "DPO_LOSS_TYPES",
+    "DPO_PREFERENCE_LOSS_TYPES",
+    "all_reduce_context_parallel",
+    "dpo_loss",
+    "log1mexp",
+    "mean_log_probs",
+    "orpo_loss",
+    "parse_dpo_loss_type",
+    "sequence_log_probs",
+    "split_chosen_rejected",
+    "uses_length_normalised_log_probs",
+]

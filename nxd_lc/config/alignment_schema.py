@@ -1,0 +1,180 @@
+"""Typed configuration for alignment fine-tuning (SFT, DPO, ORPO): the ``model_alignment_strategy:`` section
+and the new ``data.*`` / ``data.tokenizer.*`` keys read by
+:class:`nxd_lc.data.alignment_datamodule.ModelAlignmentDataModule`.
+
+NxDT places the algorithm settings in a top-level ``model_alignment_strategy:`` section (its DPO / ORPO / LoRA
+tutorials) with one sub-section per algorithm; exactly one of ``sft``, ``dpo``, ``orpo`` is set for a run. NxDT
+spells the DPO prompt cap ``max_dpo_prompt_length`` in its example YAML and ``max_prompt_length`` in its docs;
+both are accepted (:data:`ALIGNMENT_KEY_ALIASES`).
+
+Hook-up (done in ``schema.py`` / ``validate.py``, which this module does not edit):
+
+* ``NxdConfig.model_alignment_strategy: Optional[ModelAlignmentStrategyConfig] = None``;
+* the fields of :class:`AlignmentDataFields` are added to ``DataConfig``, and :data:`CHAT_TEMPLATE_FIELD_DOC`'s
+  field ``chat_template: Optional[str] = "default"`` to ``TokenizerConfig`` (``data.tokenizer.chat_template``:
+  the issue's spelling, next to the tokenizer it belongs to). This module does not import ``schema.py``, so
+  ``schema.py`` can import it without a cycle;
+* :data:`ALIGNMENT_KEY_ALIASES` is appended to ``KEY_ALIASES``;
+* :func:`validate_alignment` is called by the validator; its messages join the collected errors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, List, Optional
+
+TRUNCATION_MODES = ("keep_start", "keep_end")
+#: ``data.tokenizer.chat_template`` value that selects the tokenizer's own template.
+DEFAULT_CHAT_TEMPLATE = "default"
+
+
+@dataclass
+class SFTConfig:
+    """``model_alignment_strategy.sft:`` — supervised fine-tuning data layout."""
+
+    packing: bool = False  # True: best-fit-decreasing packing of records into seq_length rows (document-masked)
+    truncation_mode: str = "keep_start"  # keep_start | keep_end: which end of an over-long record is kept
+    drop_overlong: bool = False  # True: drop records longer than seq_length instead of truncating (counted)
+
+
+@dataclass
+class DPOConfig:
+    """``model_alignment_strategy.dpo:`` — Direct Preference Optimization (Rafailov et al. 2023)."""
+
+    kl_beta: float = 0.01  # beta: strength of the implicit KL penalty towards the reference model
+    loss_type: Any = "sigmoid"  # sigmoid (DPO) | hinge (SLiC) | ipo (IPO) | sft, or a list e.g. [sigmoid, sft]
+    max_prompt_length: Optional[int] = None  # prompt tokens kept when prompt+response > seq_length (None: S // 2)
+    truncation_mode: str = "keep_start"  # keep_start | keep_end: which end of an over-long prompt is kept
+    precompute_ref_log_probs: bool = True  # True: reference log-probs computed once and cached; False: frozen copy
+    sft_loss_weight: Optional[float] = None  # weight of the chosen-NLL term (None: 1 if 'sft' in loss_type, else 0)
+    label_smoothing: float = 0.0  # cDPO label smoothing in [0, 0.5] (sigmoid only)
+
+
+@dataclass
+class ORPOConfig:
+    """``model_alignment_strategy.orpo:`` — Odds Ratio Preference Optimization (Hong et al. 2024)."""
+
+    beta: float = 0.1  # weight (lambda) of the odds-ratio term added to the chosen NLL
+    max_prompt_length: Optional[int] = None  # prompt tokens kept when prompt+response > seq_length (None: S // 2)
+    truncation_mode: str = "keep_start"  # keep_start | keep_end: which end of an over-long prompt is kept
+
+
+@dataclass
+class ModelAlignmentStrategyConfig:
+    """``model_alignment_strategy:`` — exactly one of ``sft``, ``dpo``, ``orpo`` (NxDT layout)."""
+
+    sft: Optional[SFTConfig] = None  # supervised fine-tuning
+    dpo: Optional[DPOConfig] = None  # direct preference optimization
+    orpo: Optional[ORPOConfig] = None  # odds ratio preference optimization
+
+    @property
+    def algorithm(self) -> str:
+        """``'sft'`` | ``'dpo'`` | ``'orpo'``: the one section that is set.
+
+        Raises:
+            ValueError: none or several are set (names ``model_alignment_strategy``).
+        """
+        chosen = [name for name in ("sft", "dpo", "orpo") if getattr(self, name) is not None]
+        if len(chosen) != 1:
+            raise ValueError(f"model_alignment_strategy: exactly one of sft, dpo, orpo must be set, got "
+                             f"{chosen or 'none'}; e.g. 'model_alignment_strategy: {{sft: {{packing: true}}}}'")
+        return chosen[0]
+
+
+#: the ``data.tokenizer.chat_template`` field to add to ``TokenizerConfig`` (type, default, one-line doc)
+CHAT_TEMPLATE_FIELD_DOC = ('chat_template: Optional[str] = "default"  # default (the tokenizer\'s own) | null '
+                           '(concatenate contents) | a jinja template')
+
+
+@dataclass
+class AlignmentDataFields:
+    """The new ``data.*`` keys (merge these fields into ``DataConfig``)."""
+
+    dev_choose_samples: Optional[int] = None  # keep only the first N records of train_dir / val_dir (None: all)
+    input_key: str = "input"  # NxDT SFT records: key of the prompt text
+    output_key: str = "output"  # NxDT SFT records: key of the response text
+
+
+#: Accepted spellings, as (dotted alias, dotted canonical key); append to ``schema.KEY_ALIASES``.
+ALIGNMENT_KEY_ALIASES: tuple[tuple[str, str], ...] = (
+    ("model_alignment_strategy.dpo.max_dpo_prompt_length", "model_alignment_strategy.dpo.max_prompt_length"),
+)
+
+
+def resolved_max_prompt_length(max_prompt_length: Optional[int], seq_length: int) -> int:
+    """The prompt cap in tokens: ``max_prompt_length``, or ``seq_length // 2`` when None."""
+    return seq_length // 2 if max_prompt_length is None else int(max_prompt_length)
+
+
+def _check_truncation(key: str, value: str, errors: List[str]) -> None:
+    if value not in TRUNCATION_MODES:
+        errors.append(f"{key}: {value!r} is not one of {list(TRUNCATION_MODES)}")
+
+
+def _check_prompt_length(key: str, value: Optional[int], seq_length: Optional[int], errors: List[str]) -> None:
+    if value is None:
+        return
+    if value < 1:
+        errors.append(f"{key}: must be >= 1, got {value}")
+    elif seq_length is not None and value >= seq_length:
+        errors.append(f"{key}: {value} leaves no room for the response in data.seq_length {seq_length}; "
+                      f"lower it below {seq_length}")
+
+
+def _check_dpo(dpo: DPOConfig, prefix: str, errors: List[str]) -> None:
+    from nxd_lc.alignment.losses import parse_dpo_loss_type  # the losses' own parser: one list of names
+
+    term = None
+    try:
+        term, _ = parse_dpo_loss_type(list(dpo.loss_type) if not isinstance(dpo.loss_type, str) else dpo.loss_type)
+    except ValueError as e:
+        errors.append(str(e))
+    if dpo.kl_beta <= 0:
+        errors.append(f"{prefix}.kl_beta: must be > 0, got {dpo.kl_beta}")
+    if dpo.sft_loss_weight is not None and dpo.sft_loss_weight < 0:
+        errors.append(f"{prefix}.sft_loss_weight: must be >= 0, got {dpo.sft_loss_weight}")
+    if not 0.0 <= dpo.label_smoothing <= 0.5:
+        errors.append(f"{prefix}.label_smoothing: must be in [0, 0.5], got {dpo.label_smoothing}")
+    elif dpo.label_smoothing > 0 and term not in (None, "sigmoid"):
+        errors.append(f"{prefix}.label_smoothing: only defined for loss_type sigmoid (cDPO), not {term!r}")
+
+
+def validate_alignment(strategy: Optional[ModelAlignmentStrategyConfig], data: Any,
+                       seq_length: Optional[int]) -> List[str]:
+    """Problems with ``model_alignment_strategy`` and the alignment ``data.*`` keys, each naming key and fix.
+
+    Args:
+        strategy: the section (None: not an alignment run; nothing is checked).
+        data: the ``data:`` section (``DataConfig`` with the alignment fields).
+        seq_length: the effective sequence length (``data.seq_length`` or ``model.encoder_seq_length``).
+    Returns:
+        Error messages (empty when valid); the validator raises them together.
+    """
+    if strategy is None:
+        return []
+    errors: List[str] = []
+    try:
+        algorithm = strategy.algorithm
+    except ValueError as e:
+        return [str(e)]
+    if data.train_dir is None:
+        errors.append(f"data.train_dir: model_alignment_strategy.{algorithm} needs a .jsonl file, a directory of "
+                      ".jsonl files or a datasets save_to_disk directory")
+    if getattr(data, "dev_choose_samples", None) is not None and data.dev_choose_samples < 1:
+        errors.append(f"data.dev_choose_samples: must be >= 1 or null, got {data.dev_choose_samples}")
+    if getattr(data, "builtin_corpus", None) is not None:
+        errors.append("data.builtin_corpus: a pretraining corpus; alignment reads records from data.train_dir, "
+                      "remove data.builtin_corpus")
+    if algorithm == "sft" and strategy.sft.packing and getattr(data, "cross_document_attention", False):
+        errors.append("data.cross_document_attention: packed SFT examples are always document-masked (each "
+                      "example sees only itself); set it to false")
+    prefix = f"model_alignment_strategy.{algorithm}"
+    sub = getattr(strategy, algorithm)
+    _check_truncation(f"{prefix}.truncation_mode", sub.truncation_mode, errors)
+    if algorithm == "dpo":
+        _check_dpo(sub, prefix, errors)
+    if algorithm == "orpo" and sub.beta < 0:
+        errors.append(f"{prefix}.beta: must be >= 0, got {sub.beta}")
+    if algorithm in ("dpo", "orpo"):
+        _check_prompt_length(f"{prefix}.max_prompt_length", sub.max_prompt_length, seq_length, errors)
+    return errors

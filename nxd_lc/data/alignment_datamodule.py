@@ -1,0 +1,374 @@
+"""``ModelAlignmentDataModule``: SFT / DPO / ORPO data (read -> format -> truncate -> pack -> sampler -> collate).
+
+Sources (``data.train_dir`` / ``data.val_dir``): a ``.jsonl`` (or JSON-lines ``.json``) file, a directory of
+them (sorted, recursive), or a ``datasets`` ``save_to_disk`` directory (a ``DatasetDict``: split ``train`` for
+train_dir; ``validation`` / ``valid`` / ``val`` / ``test`` for val_dir, else ``train``). ``data.dev_choose_samples``
+keeps the first N records. Records go through :mod:`~nxd_lc.data.alignment_format` (formats, chat templates,
+tool calls, target masks) and :mod:`~nxd_lc.data.alignment_packing` (truncation, BFD packing, rows).
+
+Schemas are kept exactly: jsonl is read with the ``json`` module, record by record, never through
+pyarrow / ``datasets``, which unify the schema of all records and fill every key a record lacks with null (a
+tool whose parameters are ``{city}`` would gain ``query: null`` from another record). Arrow data has already
+been unified when it was saved, so the reader (:func:`clean_arrow_record`) parses ``tools`` stored as a JSON
+string and removes null-valued keys inside ``messages`` / ``prompt`` / ``chosen`` / ``rejected`` / ``tools``
+(a filled null cannot be told from a real one there: store tools and tool-call arguments as JSON strings to keep
+real nulls); the number of records affected is logged.
+
+Batches (dicts of tensors; B = ``data.micro_batch_size``, S = seq_length; row layout in ``alignment_packing``):
+
+* SFT: ``input_ids``, ``labels``, ``position_ids`` int64 and ``segment_ids`` int32, each ``[B, S]``. With
+  ``sft.packing`` a row holds several examples (document-masked); else one example padded to S. A micro batch
+  is B rows either way, and ``data.global_batch_size`` counts rows.
+* DPO / ORPO: B pairs become ``[2B, S]`` tensors with the same four keys: rows ``0..B-1`` are ``prompt + chosen``
+  and rows ``B..2B-1`` are ``prompt + rejected`` of the same pairs in the same order (one forward pass; split with
+  ``chunk(2)``), plus ``sample_index`` int64 ``[B]``: the dataset index of each pair (key for cached reference
+  log-probs). Pairs are not packed. ``data.micro_batch_size`` / ``global_batch_size`` count pairs (NxDT).
+
+Validation data comes from ``data.val_dir`` only (``data.val_fraction`` is a pretraining key, not used here).
+Resume and sampling are those of :class:`~nxd_lc.data.datamodule.PretrainingDataModule` (Megatron sampler over
+rows / pairs, ``consumed_samples`` in the checkpoint). Tokenized data is rebuilt at each ``setup`` (no cache).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.utils.data
+from torch.utils.data import DataLoader
+
+from nxd_lc.config.alignment_schema import ModelAlignmentStrategyConfig, resolved_max_prompt_length
+from nxd_lc.config.schema import DataConfig
+from nxd_lc.config.validate import resolve_path
+from nxd_lc.data.alignment_format import RecordFormatter
+from nxd_lc.data.alignment_packing import (
+    Example,
+    TruncationStats,
+    best_fit_decreasing,
+    build_row,
+    fill_ratio,
+    prepare_pair,
+    prepare_sft_example,
+)
+from nxd_lc.data.datamodule import PretrainingDataModule
+from nxd_lc.data.sampler import PretrainingSampler
+from nxd_lc.data.tokenizer import BYTELEVEL_BPE, check_vocab, load_tokenizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
+
+log = logging.getLogger(__name__)
+
+_DATASETS_MARKERS = ("dataset_dict.json", "state.json", "dataset_info.json")
+_VAL_SPLITS = ("validation", "valid", "val", "test")
+_MESSAGE_FIELDS = ("messages", "prompt", "chosen", "rejected", "tools")
+Record = tuple[dict[str, Any], str]  # (record, "where": file:line or dir[split]#row, named in errors)
+
+
+# ---- readers ---------------------------------------------------------------------------------------------------
+def read_records(path: str, key_name: str, limit: int | None = None, *, validation: bool = False,
+                 file_glob: str = "**/*") -> list[Record]:
+    """The records at ``path`` (jsonl file / dir of jsonl / datasets dir), at most the first ``limit``.
+
+    Args:
+        path: ``data.train_dir`` / ``data.val_dir``.
+        key_name: that key, named in errors.
+        limit: ``data.dev_choose_samples``.
+        validation: prefer a validation split of a ``DatasetDict``.
+        file_glob: ``data.file_glob``: pattern inside a directory; of its matches the .jsonl / .json files are read.
+
+    Raises:
+        FileNotFoundError: nothing at ``path`` (names ``key_name``).
+        ValueError: a bad JSON line or a non-object record (names file and line), no records.
+    """
+    full = resolve_path(path)
+    if os.path.isdir(full) and any(os.path.isfile(os.path.join(full, m)) for m in _DATASETS_MARKERS):
+        records = list(_limited(_iter_arrow(full, validation), limit))
+    elif os.path.isdir(full) or os.path.isfile(full):
+        files = [full] if os.path.isfile(full) else sorted(
+            f for f in glob.glob(os.path.join(full, file_glob), recursive=True)
+            if f.endswith((".jsonl", ".json")) and os.path.isfile(f))
+        if not files:
+            raise ValueError(f"{key_name}: {full} holds no .jsonl / .json files matching data.file_glob "
+                             f"{file_glob!r} and is not a datasets directory")
+        records = list(_limited((r for f in files for r in _iter_jsonl(f)), limit))
+    else:
+        raise FileNotFoundError(f"{key_name}: no such file or directory: {full}")
+    if not records:
+        raise ValueError(f"{key_name}: {full} holds no records")
+    return records
+
+
+def _limited(it: Iterator[Record], limit: int | None) -> Iterator[Record]:
+    for n, rec in enumerate(it):
+        if limit is not None and n >= limit:
+            return
+        yield rec
+
+
+def _iter_jsonl(path: str) -> Iterator[Record]:
+    with open(path, encoding="utf-8") as f:
+        head = f.read(1)
+        f.seek(0)
+        if head == "[":  # a .json file holding one array of records
+            yield from ((rec, f"{path}[{i}]") for i, rec in enumerate(_json_array(f.read(), path)))
+            return
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from e
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
+            yield rec, f"{path}:{lineno}"
+
+
+def _json_array(text: str, path: str) -> list[dict[str, Any]]:
+    try:
+        recs = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
+    if not all(isinstance(r, dict) for r in recs):
+        raise ValueError(f"{path}: the array must hold JSON objects only")
+    return recs
+
+
+def _iter_arrow(path: str, validation: bool) -> Iterator[Record]:
+    import datasets
+
+    ds = datasets.load_from_disk(path)
+    split = None
+    if isinstance(ds, datasets.DatasetDict):
+        names = list(ds.keys())
+        wanted = [s for s in (_VAL_SPLITS if validation else ()) if s in ds] + ["train"]
+        split = next((s for s in wanted if s in ds), names[0])
+        ds = ds[split]
+    nulls = 0
+    for i, row in enumerate(ds):
+        rec, removed = clean_arrow_record(row)
+        nulls += removed
+        yield rec, f"{path}[{split or 'dataset'}]#{i}"
+    if nulls:
+        log.warning("%s: removed null-valued keys from %d records (arrow fills keys a record lacks with null); "
+                    "store tools / tool-call arguments as JSON strings to keep real nulls", path, nulls)
+
+
+def _strip_nulls(obj: Any) -> tuple[Any, bool]:
+    if isinstance(obj, dict):
+        out, removed = {}, False
+        for k, v in obj.items():
+            if v is None:
+                removed = True
+                continue
+            out[k], r = _strip_nulls(v)
+            removed |= r
+        return out, removed
+    if isinstance(obj, list):
+        items = [_strip_nulls(v) for v in obj]
+        return [v for v, _ in items], any(r for _, r in items)
+    return obj, False
+
+
+def clean_arrow_record(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+    """A dataset row with ``tools`` JSON strings parsed and null-filled keys removed (module doc).
+
+    Returns:
+        ``(record, removed)``: the cleaned record and whether any null was removed.
+    Raises:
+        ValueError: ``tools`` is a string that is not JSON.
+    """
+    rec, removed = dict(row), False
+    if isinstance(rec.get("tools"), str):
+        try:
+            rec["tools"] = json.loads(rec["tools"])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"dataset row: 'tools' is a string but not JSON ({e.msg})") from e
+    for key in _MESSAGE_FIELDS:
+        if isinstance(rec.get(key), (list, dict)):
+            rec[key], r = _strip_nulls(rec[key])
+            removed |= r
+    return rec, removed
+
+
+# ---- datasets and collation --------------------------------------------------------------------------------------
+class SFTRowsDataset(torch.utils.data.Dataset):
+    """Rows of SFT examples: ``dataset[i]`` is :func:`build_row` of the examples in ``rows[i]`` (``[S]`` arrays)."""
+
+    def __init__(self, examples: list[Example], rows: list[list[int]], seq_length: int, pad_id: int,
+                 packed: bool) -> None:
+        self.examples, self.rows = examples, rows
+        self.seq_length, self.pad_id, self.packed = seq_length, pad_id, packed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, np.ndarray]:
+        return build_row([self.examples[i] for i in self.rows[index]], self.seq_length, self.pad_id, self.packed)
+
+
+class PreferenceDataset(torch.utils.data.Dataset):
+    """Preference pairs: ``dataset[i]`` is ``{"chosen": row, "rejected": row, "index": i}`` (unpacked rows)."""
+
+    def __init__(self, pairs: list[tuple[Example, Example]], seq_length: int, pad_id: int) -> None:
+        self.pairs, self.seq_length, self.pad_id = pairs, seq_length, pad_id
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        chosen, rejected = self.pairs[index]
+        return {"chosen": build_row([chosen], self.seq_length, self.pad_id, False),
+                "rejected": build_row([rejected], self.seq_length, self.pad_id, False), "index": index}
+
+
+def collate_rows(rows: list[dict[str, np.ndarray]]) -> dict[str, torch.Tensor]:
+    """Stack ``[S]`` rows into ``[B, S]`` tensors (int64; ``segment_ids`` int32)."""
+    return {k: torch.from_numpy(np.stack([r[k] for r in rows])) for k in rows[0]}
+
+
+def collate_pairs(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    """B pairs -> ``[2B, S]`` tensors, chosen rows first, and ``sample_index`` int64 ``[B]`` (module doc)."""
+    batch = collate_rows([it["chosen"] for it in items] + [it["rejected"] for it in items])
+    batch["sample_index"] = torch.tensor([it["index"] for it in items], dtype=torch.long)
+    return batch
+
+
+# ---- the data module -------------------------------------------------------------------------------------------
+class ModelAlignmentDataModule(PretrainingDataModule):
+    """SFT / DPO / ORPO data with Megatron-style sampling and exact resume (module doc for the batch layout).
+
+    Args:
+        data_cfg: the ``data:`` section with the alignment keys (``dev_choose_samples``, ``input_key``,
+            ``output_key``, ``tokenizer.chat_template``; see ``nxd_lc.config.alignment_schema``).
+        alignment_cfg: ``model_alignment_strategy`` (exactly one of sft / dpo / orpo).
+        seq_length, seed, model_vocab_size, data_parallel_rank, data_parallel_size, global_batch_size, barrier:
+            as :class:`~nxd_lc.data.datamodule.PretrainingDataModule`.
+        tokenizer: an already loaded tokenizer (tests); default: ``data.tokenizer.type`` (an HF tokenizer dir).
+    Attributes (after ``setup``):
+        train_stats, val_stats: :class:`TruncationStats` per split (val None without ``val_dir``).
+        train_fill_ratio, val_fill_ratio: non-padding share of the rows' tokens.
+    Raises:
+        ValueError: bad sizes / sections (here), or bad data / tokenizer (``setup``), naming the key.
+    """
+
+    def __init__(self, data_cfg: DataConfig, alignment_cfg: ModelAlignmentStrategyConfig, *, seq_length: int,
+                 seed: int, model_vocab_size: int, data_parallel_rank: int, data_parallel_size: int,
+                 global_batch_size: int, tokenizer: PreTrainedTokenizerFast | None = None,
+                 barrier: Callable[[], None] | None = None) -> None:
+        super().__init__(data_cfg, seq_length=seq_length, seed=seed, model_vocab_size=model_vocab_size,
+                         data_parallel_rank=data_parallel_rank, data_parallel_size=data_parallel_size,
+                         global_batch_size=global_batch_size, barrier=barrier)
+        self.alignment_cfg = alignment_cfg
+        self.algorithm = alignment_cfg.algorithm
+        self._tokenizer = tokenizer
+        self.train_stats: TruncationStats | None = None
+        self.val_stats: TruncationStats | None = None
+        self.train_fill_ratio: float | None = None
+        self.val_fill_ratio: float | None = None
+
+    @property
+    def num_truncated(self) -> int:
+        """Truncated records over train and val (after ``setup``)."""
+        return sum(s.num_truncated for s in (self.train_stats, self.val_stats) if s is not None)
+
+    @property
+    def num_dropped(self) -> int:
+        """Dropped records over train and val (after ``setup``)."""
+        return sum(s.num_dropped for s in (self.train_stats, self.val_stats) if s is not None)
+
+    @property
+    def pad_token_id(self) -> int:
+        """Padding id: the tokenizer's pad token, else its EOS."""
+        pad = self.tokenizer.pad_token_id
+        return int(self.tokenizer.eos_token_id if pad is None else pad)
+
+    def _load_tokenizer(self) -> PreTrainedTokenizerFast:
+        if self._tokenizer is None:
+            if self.cfg.tokenizer.type == BYTELEVEL_BPE:
+                raise ValueError("data.tokenizer.type: alignment fine-tuning needs the pretrained model's tokenizer "
+                                 "directory, not 'bytelevel_bpe'")
+            self._tokenizer = load_tokenizer(self.cfg.tokenizer, None, barrier=self.barrier)
+        check_vocab(self._tokenizer, self.model_vocab_size)
+        return self._tokenizer
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load the tokenizer, then read, format, truncate and (SFT) pack train and val (idempotent).
+
+        Raises:
+            ValueError / FileNotFoundError: bad paths, records, templates or sizes, naming the key or file:line.
+        """
+        if self.train_dataset is not None:
+            return
+        if self.cfg.train_dir is None:
+            raise ValueError(f"data.train_dir: not set; model_alignment_strategy.{self.algorithm} needs a .jsonl "
+                             "file, a directory of .jsonl files or a datasets save_to_disk directory")
+        tok = self._load_tokenizer()
+        formatter = RecordFormatter(tok, self.cfg.tokenizer.chat_template, input_key=self.cfg.input_key,
+                                    output_key=self.cfg.output_key)
+        self.train_dataset, self.train_stats, self.train_fill_ratio = self._build(formatter, self.cfg.train_dir,
+                                                                                  "data.train_dir")
+        if self.cfg.val_dir is not None:
+            self.val_dataset, self.val_stats, self.val_fill_ratio = self._build(formatter, self.cfg.val_dir,
+                                                                                "data.val_dir")
+        self._check_val_size()
+
+    def _build(self, formatter: RecordFormatter, path: str,
+               key: str) -> tuple[torch.utils.data.Dataset, TruncationStats, float]:
+        records = read_records(path, key, self.cfg.dev_choose_samples, validation=key == "data.val_dir",
+                               file_glob=self.cfg.file_glob)
+        stats = TruncationStats()
+        if self.algorithm == "sft":
+            dataset, lengths, rows = self._sft_dataset(formatter, records, stats)
+        else:
+            dataset, lengths, rows = self._pair_dataset(formatter, records, stats)
+        ratio = fill_ratio(lengths, rows, self.seq_length)
+        level = logging.WARNING if stats.num_truncated or stats.num_dropped else logging.INFO
+        log.log(level, "%s (%s): %d records -> %d kept, %d truncated, %d dropped (%d over-long, %d without "
+                "targets); %d %s of %d tokens, fill ratio %.3f", key, self.algorithm, stats.num_records,
+                stats.num_kept, stats.num_truncated, stats.num_dropped, stats.num_dropped_overlong,
+                stats.num_dropped_no_target, len(dataset), "rows" if self.algorithm == "sft" else "pairs",
+                self.seq_length, ratio)
+        if not len(dataset):
+            raise ValueError(f"{key}: no usable records ({stats}); raise data.seq_length or fix the records")
+        return dataset, stats, ratio
+
+    def _sft_dataset(self, formatter: RecordFormatter, records: list[Record],
+                     stats: TruncationStats) -> tuple[SFTRowsDataset, list[int], list[list[int]]]:
+        sft = self.alignment_cfg.sft
+        examples = []
+        for rec, where in records:
+            ex = prepare_sft_example(formatter.encode_sft(rec, where), self.seq_length, sft.truncation_mode,
+                                     sft.drop_overlong, stats)
+            if ex is not None:
+                examples.append(ex)
+        lengths = [ids.shape[0] for ids, _ in examples]
+        rows = best_fit_decreasing(lengths, self.seq_length) if sft.packing else [[i] for i in range(len(examples))]
+        return SFTRowsDataset(examples, rows, self.seq_length, self.pad_token_id, sft.packing), lengths, rows
+
+    def _pair_dataset(self, formatter: RecordFormatter, records: list[Record],
+                      stats: TruncationStats) -> tuple[PreferenceDataset, list[int], list[list[int]]]:
+        sub = getattr(self.alignment_cfg, self.algorithm)
+        max_prompt = resolved_max_prompt_length(sub.max_prompt_length, self.seq_length)
+        key = f"model_alignment_strategy.{self.algorithm}"
+        pairs = []
+        for rec, where in records:
+            pair = prepare_pair(formatter.encode_preference(rec, where), self.seq_length, max_prompt,
+                                sub.truncation_mode, stats, key=key)
+            if pair is not None:
+                pairs.append(pair)
+        lengths = [ex[0].shape[0] for pair in pairs for ex in pair]
+        return PreferenceDataset(pairs, self.seq_length, self.pad_token_id), lengths, [[i] for i in
+                                                                                       range(len(lengths))]
+
+    def _loader(self, dataset: torch.utils.data.Dataset | None, sampler: PretrainingSampler) -> DataLoader:
+        collate = collate_rows if self.algorithm == "sft" else collate_pairs
+        return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers, collate_fn=collate,
+                          persistent_workers=False)
