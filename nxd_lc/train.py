@@ -241,6 +241,8 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         load_model_weights(model, weights_path)
     if runtime.rank == 0 and (ckpt_path or weights_path):
         log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
+    if hasattr(module, "prepare_reference"):  # DPO: reference log-probs of the initial policy, before any resume
+        module.prepare_reference(data)
     trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
@@ -274,7 +276,7 @@ def _lightning_module(cfg: NxdConfig, model: Any, data: Any) -> Any:
         return NxDLanguageModel(cfg, model, **kwargs)
     from nxd_lc.alignment.module import NxDPreferenceModel
 
-    return NxDPreferenceModel(cfg, model, data=data, **kwargs)
+    return NxDPreferenceModel(cfg, model, **kwargs)
 
 
 def hydra_defaults() -> list[str]:

@@ -10,11 +10,11 @@ dry run prints.
 from __future__ import annotations
 
 import dataclasses
-import typing
 import difflib
 import json
 import logging
 import os
+import typing
 from typing import Any, Mapping
 
 from omegaconf import DictConfig, OmegaConf

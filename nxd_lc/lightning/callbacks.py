@@ -103,7 +103,9 @@ class MetricsPrinter(pl.Callback):
 
     KEYS = (("lr", "lr", "{:.3e}"), ("gradient_norm", "grad_norm", "{:.3f}"), ("parameter_norm", "param_norm",
             "{:.2f}"), ("throughput/tokens_per_sec", "tokens/s", "{:.0f}"), ("throughput/seqs_per_sec", "seqs/s",
-            "{:.3f}"), ("consumed_samples", "consumed", "{:.0f}"))
+            "{:.3f}"), ("consumed_samples", "consumed", "{:.0f}"),
+            # preference training (DPO / ORPO): the step's values
+            ("rewards/accuracies", "rewards/accuracies", "{:.3f}"), ("rewards/margins", "rewards/margins", "{:.4f}"))
 
     def __init__(self, log_every_n_steps: int, max_steps: int) -> None:
         self.log_every_n_steps = log_every_n_steps
@@ -138,5 +140,8 @@ class MetricsPrinter(pl.Callback):
         log.info(" | ".join(parts))
 
     def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.is_global_zero and "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
-            log.info("step %d | val_loss %.4f", trainer.global_step, float(trainer.callback_metrics["val_loss"]))
+        metrics = trainer.callback_metrics
+        if trainer.is_global_zero and "val_loss" in metrics and not trainer.sanity_checking:
+            extra = "".join(f" | {k} {float(metrics[k]):.4f}" for k in ("val_rewards/accuracies", "val_rewards/margins")
+                            if k in metrics)
+            log.info("step %d | val_loss %.4f%s", trainer.global_step, float(metrics["val_loss"]), extra)
