@@ -427,6 +427,11 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
 def _alignment_problems(cfg: NxdConfig) -> list[str]:
     """``model_alignment_strategy`` / alignment ``data.*`` keys and ``model.peft`` (LoRA)."""
     p = validate_alignment(cfg.model_alignment_strategy, cfg.data, seq_length(cfg)) + peft_problems(cfg.model.peft)
+    strategy = cfg.model_alignment_strategy
+    if strategy is not None and (strategy.dpo is not None or strategy.orpo is not None):
+        if cfg.model.tiled_loss_chunk_size:
+            p.append("model.tiled_loss_chunk_size: DPO / ORPO compute sequence log-probs, not the tiled causal-LM "
+                     "loss; unset it")
     peft = cfg.model.peft
     if peft is not None and cfg.model.tiled_mlp_chunk_size and {"gate_up_proj", "down_proj"} & set(
             peft.target_modules or []):
