@@ -13,7 +13,9 @@
   or the parameter's ``.grad`` cast to fp32, sliced to this rank's shard under ZeRO-1;
 * after the inner step the fp32 result is written back to the parameter: round-to-nearest, or **stochastic
   rounding** to bf16 (:func:`nxd_lc.precision.stochastic_round_to_bf16`, unbiased); under ZeRO-1 the rounded
-  shards are all-gathered over DP x CP, bucketed;
+  shards are all-gathered over DP x CP;
+* the step runs in buckets of ~64 MiB of fp32 working data (the inner optimizer skips tensors without a
+  gradient), so transient fp32 copies exist for one bucket at a time;
 * optimizer state is kept in ``optim_state_dtype`` between steps (bf16 for bf16SR + adamw, as on Trainium where
   ``XLA_USE_BF16`` makes the state bf16) and computed in fp32 during the step.
 
@@ -41,7 +43,7 @@ from nxd_lc.precision.policy import PrecisionPolicy
 from nxd_lc.precision.stochastic_rounding import stochastic_round_to_bf16
 
 ParamGroup = dict[str, Any]
-_GATHER_BUCKET_BYTES = 64 * 1024 * 1024
+_STEP_BUCKET_BYTES = 64 * 1024 * 1024  # fp32 working data stepped (and all-gathered) at once
 
 
 def install_fp32_grad_accumulation(params: list[nn.Parameter]) -> list[Any]:
@@ -142,18 +144,36 @@ class NxDOptimizer(torch.optim.Optimizer):
         flat = full.reshape(-1)[s.start:s.stop] if self.zero1 else full
         return flat.to(torch.float32)
 
-    def _load_work(self) -> None:
+    def _buckets(self) -> list[list[_Slot]]:
+        """Slots in groups of about ``_STEP_BUCKET_BYTES`` of fp32 working data: the optimizer steps one group at
+        a time, so the transient fp32 copies (working tensors of bf16SR, fp32 gradients, fp32 state) of only one
+        group exist at once."""
+        buckets: list[list[_Slot]] = [[]]
+        size = 0
+        for s in self.slots:
+            if buckets[-1] and size + 4 * s.shard_numel > _STEP_BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(s)
+            size += 4 * s.shard_numel
+        return [b for b in buckets if b]
+
+    def _load_work(self, bucket: list[_Slot]) -> None:
+        """Working values (bf16SR) and fp32 gradients of ``bucket``; an fp32 gradient (``main_grad``, fp32
+        params) is used in place, not copied (torch optimizers do not modify ``.grad``)."""
         from nxd_lc.distributed.grads import grad_of
 
-        for s in self.slots:
+        for s in bucket:
             if not self.persistent:
                 s.work.data = self._shard(s, s.param.detach()).clone()
             g = grad_of(s.param)
-            s.work.grad = None if g is None else self._shard(s, g).clone()
+            s.work.grad = None if g is None else self._shard(s, g).reshape(s.work.shape)
 
-    def _store_state(self, dtype: torch.dtype) -> None:
-        """Cast floating state tensors (not ``step``) to ``dtype`` in place of the old ones."""
-        for state in self.inner.state.values():
+    def _store_state(self, dtype: torch.dtype, bucket: Optional[list[_Slot]] = None) -> None:
+        """Cast floating state tensors (not ``step``) of ``bucket`` (default: all) to ``dtype``, replacing them."""
+        states = self.inner.state.values() if bucket is None else [self.inner.state[s.work] for s in bucket
+                                                                    if s.work in self.inner.state]
+        for state in states:
             for k, v in state.items():
                 if k != "step" and torch.is_tensor(v) and v.is_floating_point() and v.dtype != dtype:
                     state[k] = v.to(dtype)
@@ -166,21 +186,13 @@ class NxDOptimizer(torch.optim.Optimizer):
             return stochastic_round_to_bf16(w, gen)
         return w.to(s.param.dtype)
 
-    def _write_back(self) -> None:
+    def _write_back(self, bucket: list[_Slot]) -> None:
+        """Parameters of ``bucket`` from their working tensors (rounded; all-gathered under ZeRO-1)."""
         if not self.zero1:
-            for s in self.slots:
+            for s in bucket:
                 s.param.data.copy_(self._rounded(s).view_as(s.param))
             return
-        bucket: list[_Slot] = []
-        size = 0
-        for s in self.slots:
-            bucket.append(s)
-            size += s.shard_numel * s.param.element_size() * self._world
-            if size >= _GATHER_BUCKET_BYTES:
-                self._gather_bucket(bucket)
-                bucket, size = [], 0
-        if bucket:
-            self._gather_bucket(bucket)
+        self._gather_bucket(bucket)
 
     def _gather_bucket(self, bucket: list[_Slot]) -> None:
         """All-gather the rounded shards of ``bucket`` (same dtype per bucket is required: split by dtype)."""
@@ -212,15 +224,16 @@ class NxDOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._load_work()
-        self._store_state(torch.float32)
-        self.inner.step()
-        self._store_state(self.policy.optim_state_dtype)
-        self._write_back()
-        for s in self.slots:
-            s.work.grad = None
-            if not self.persistent:
-                s.work.data = s.work.data.new_empty(0)
+        for bucket in self._buckets():  # the inner optimizer skips working tensors whose .grad is None
+            self._load_work(bucket)
+            self._store_state(torch.float32, bucket)
+            self.inner.step()
+            self._store_state(self.policy.optim_state_dtype, bucket)
+            self._write_back(bucket)
+            for s in bucket:
+                s.work.grad = None
+                if not self.persistent:
+                    s.work.data = s.work.data.new_empty(0)
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
