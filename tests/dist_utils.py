@@ -63,3 +63,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
                 with open(os.path.join(err_dir, name)) as f:
                     msgs.append(f"--- {name} ---\n{f.read()}")
             raise AssertionError("distributed worker failed:\n" + "\n".join(msgs)) from e
+
+
+def local_shard(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This TP rank's part of the full (TP=1 layout) tensor of parameter ``name`` of an nxd_lc Llama (its weight
+    or its gradient): the fused GQA QKV weight is split into q/k/v and sharded by its layer (KV replication
+    included), every other parameter by :func:`nxd_lc.layers.linear.shard_full_parameter`."""
+    from nxd_lc.layers.linear import shard_full_parameter
+
+    if name.endswith("qkv_proj.weight_qkv"):
+        qkv = model.get_submodule(name.rsplit(".", 1)[0])
+        hd, nq, nkv = qkv.head_dim, qkv.num_attention_heads, qkv.num_key_value_heads
+        q, k, v = full.split([nq * hd, nkv * hd, nkv * hd])
+        return qkv.shard_qkv_weights(q, k, v)["weight_qkv"]
+    return shard_full_parameter(full, model.get_parameter(name))

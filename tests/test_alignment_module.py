@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from dist_utils import local_shard, run_distributed
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
@@ -29,7 +29,6 @@ from nxd_lc.config.schema import DataConfig, NxdConfig
 from nxd_lc.context import set_context_parallel_algo
 from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule
 from nxd_lc.distributed import collectives, parallel_state
-from nxd_lc.layers.linear import shard_full_parameter
 from nxd_lc.layers.lora import apply_lora, lora_modules
 from nxd_lc.models.llama import LlamaForCausalLM
 
@@ -277,21 +276,10 @@ def test_frozen_reference_not_in_state_dict_or_optimizer(data: tuple[str, str]) 
 
 
 # ---- 3. TP=2, CP=2 and DP=2 against one process --------------------------------------------------------------
-def _local_tensor(model: LlamaForCausalLM, name: str, full: torch.Tensor) -> torch.Tensor:
-    """This TP rank's part of a full (TP=1 layout) weight or gradient."""
-    param = model.get_parameter(name)
-    if name.endswith("qkv_proj.weight_qkv"):
-        qkv = model.get_submodule(name.rsplit(".", 1)[0])
-        hd, c = qkv.head_dim, model.config
-        q, k, v = full.split([c.num_attention_heads * hd, c.num_key_value_heads * hd, c.num_key_value_heads * hd])
-        return qkv.shard_qkv_weights(q, k, v)["weight_qkv"]
-    return shard_full_parameter(full, param)
-
-
 def _load(model: LlamaForCausalLM, weights: dict[str, torch.Tensor]) -> None:
     with torch.no_grad():
         for name, param in model.named_parameters():
-            param.copy_(_local_tensor(model, name, weights[name]))
+            param.copy_(local_shard(model, name, weights[name]))
 
 
 def _dpo_step(model: LlamaForCausalLM, cfg: NxdConfig, initial: dict, policy: dict,
@@ -342,7 +330,7 @@ def _check_layout(tag: str, tp: int, data: tuple[str, str], tok: PreTrainedToken
     loss = _dpo_step(model, cfg, ref["initial"], ref["policy"], ref["batch"])
     torch.testing.assert_close(loss, ref["loss"], atol=ATOL, rtol=0, msg=f"{tag} loss")
     for name, param in model.named_parameters():
-        want = _local_tensor(model, name, ref["grads"][name])
+        want = local_shard(model, name, ref["grads"][name])
         torch.testing.assert_close(param.grad, want, atol=ATOL, rtol=0, msg=f"{tag} grad {name}")
     dp, dp_rank = parallel_state.get_data_parallel_world_size(), parallel_state.get_data_parallel_rank()
     dm = _datamodule(_cfg(data), tok, dp=dp, dp_rank=dp_rank)

@@ -11,7 +11,7 @@ import math
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import local_shard, run_distributed
 from transformers import LlamaConfig
 
 from nxd_lc.config.schema import NxdConfig
@@ -26,7 +26,6 @@ from nxd_lc.context import (
     ulysses_kv_replication,
 )
 from nxd_lc.distributed import collectives, parallel_state
-from nxd_lc.layers.linear import shard_full_parameter
 from nxd_lc.lightning.module import NxDLanguageModel
 from nxd_lc.models.llama import LlamaForCausalLM
 
@@ -212,17 +211,6 @@ def _batches() -> dict[str, dict[str, torch.Tensor]]:
     return {"packed": packed, "plain": plain}
 
 
-def _local_tensor(model: LlamaForCausalLM, name: str, full: torch.Tensor) -> torch.Tensor:
-    """This TP rank's part of the full (TP=1 layout) tensor of parameter ``name`` (weight or gradient)."""
-    param = model.get_parameter(name)
-    if name.endswith("qkv_proj.weight_qkv"):
-        qkv = model.get_submodule(name.rsplit(".", 1)[0])
-        hd, c = qkv.head_dim, model.config
-        q, k, v = full.split([c.num_attention_heads * hd, c.num_key_value_heads * hd, c.num_key_value_heads * hd])
-        return qkv.shard_qkv_weights(q, k, v)["weight_qkv"]
-    return shard_full_parameter(full, param)
-
-
 def _step(model: LlamaForCausalLM, batch: dict[str, torch.Tensor], algo: str = "ring") -> torch.Tensor:
     """One micro-batch through the LightningModule: ``training_step`` on the FULL batch (it shards over CP and
     normalises the loss), backward, and its gradient reductions; returns the DP x CP mean of the step loss."""
@@ -257,13 +245,13 @@ def _e2e_checks(tp: int, algos: list[str], config: LlamaConfig, ref: dict) -> No
             model = LlamaForCausalLM(config, sequence_parallel=tp > 1)
             with torch.no_grad():
                 for name, param in model.named_parameters():
-                    param.copy_(_local_tensor(model, name, ref["weights"][name]))
+                    param.copy_(local_shard(model, name, ref["weights"][name]))
             loss = _step(model, batch, algo)
             expected = ref["refs"][key]
             msg = f"{algo} {key} tp={tp}"
             torch.testing.assert_close(loss, expected["loss"], atol=ATOL, rtol=0, msg=msg)
             for name, param in model.named_parameters():
-                want = _local_tensor(model, name, expected["grads"][name])
+                want = local_shard(model, name, expected["grads"][name])
                 torch.testing.assert_close(param.grad, want, atol=ATOL, rtol=0, msg=f"{msg} grad {name}")
     set_context_parallel_algo("ulysses" if algos[-1] == "ring" else "ring")
     with pytest.raises(RuntimeError, match="set_context_parallel_algo"):  # startup call missing / inconsistent

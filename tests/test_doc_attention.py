@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import local_shard, run_distributed
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig
@@ -25,7 +25,6 @@ from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.packing import pack_token_stream, packed_document_ids
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
-from nxd_lc.layers.linear import shard_full_parameter
 from nxd_lc.models.common.attention import core_attention, document_lengths
 from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
 
@@ -262,17 +261,6 @@ def test_flash_path_allocates_no_seq_by_seq_tensor(documents: bool) -> None:
 
 
 # ---- TP=2 + sequence parallel --------------------------------------------------------------------------------
-def _local_grad(param: torch.nn.Parameter, name: str, model: LlamaForCausalLM,
-                ref: dict[str, torch.Tensor]) -> torch.Tensor:
-    """This TP rank's slice of the single-process gradient of ``name``."""
-    if name.endswith("qkv_proj.weight_qkv"):
-        qkv = model.get_submodule(name.rsplit(".", 1)[0])
-        hd, nq, nkv = qkv.head_dim, qkv.num_attention_heads, qkv.num_key_value_heads
-        q, k, v = ref[name].split([nq * hd, nkv * hd, nkv * hd])
-        return qkv.shard_qkv_weights(q, k, v)["weight_qkv"]
-    return shard_full_parameter(ref[name], param)
-
-
 def _tp_worker(rank: int, world: int, batch: dict[str, torch.Tensor], refs: dict[bool, tuple]) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=world)
     group = parallel_state.get_tensor_model_parallel_group()
@@ -286,7 +274,7 @@ def _tp_worker(rank: int, world: int, batch: dict[str, torch.Tensor], refs: dict
                                    atol=ATOL, rtol=0)
         torch.testing.assert_close(loss_sum, ref_loss, atol=ATOL, rtol=0)
         for name, param in model.named_parameters():
-            torch.testing.assert_close(param.grad, _local_grad(param, name, model, ref_grads), atol=ATOL,
+            torch.testing.assert_close(param.grad, local_shard(model, name, ref_grads[name]), atol=ATOL,
                                        rtol=0, msg=f"{name} (flash_attention={flash_attention})")
 
 

@@ -69,26 +69,19 @@ def load_heldout(path: Path, limit: int | None = None) -> list[dict[str, Any]]:
     """
     if not path.is_file():
         raise FileNotFoundError(f"--data: {path} does not exist; run examples/smollm2/build_data.py first")
+    from nxd_lc.data.alignment_datamodule import read_records  # jsonl reading with file:line errors
+
     out = []
-    with path.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if limit is not None and len(out) >= limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            prompt = rec.get("prompt")
-            if isinstance(prompt, str):
-                rec["prompt"] = [{"role": "user", "content": prompt}]
-            elif not isinstance(prompt, list):
-                raise ValueError(f"{path}:{n}: 'prompt' must be a message list or a string")
-            cands = rec.get("candidates")
-            if not isinstance(rec.get("answer"), str) or not isinstance(cands, list) or rec["answer"] not in cands:
-                raise ValueError(f"{path}:{n}: needs a string 'answer' contained in the list 'candidates'")
-            out.append(rec)
+    for rec, where in read_records(str(path), "--data", limit):
+        prompt = rec.get("prompt")
+        if isinstance(prompt, str):
+            rec["prompt"] = [{"role": "user", "content": prompt}]
+        elif not isinstance(prompt, list):
+            raise ValueError(f"{where}: 'prompt' must be a message list or a string")
+        cands = rec.get("candidates")
+        if not isinstance(rec.get("answer"), str) or not isinstance(cands, list) or rec["answer"] not in cands:
+            raise ValueError(f"{where}: needs a string 'answer' contained in the list 'candidates'")
+        out.append(rec)
     return out
 
 

@@ -243,9 +243,7 @@ class NxDPreferenceModel(NxDLanguageModel):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """``loss * cp`` of the micro-batch (fp32 scalar; the mean over its pairs, see the module docstring)."""
         loss, metrics = self._preference_loss(batch, "train")
-        detached = loss.detach()
-        self._loss_acc = detached if self._loss_acc is None else self._loss_acc + detached
-        self._loss_count += 1
+        self._accumulate_loss(loss)
         if not self._metric_names:
             self._metric_names = tuple(metrics)
         stacked = torch.stack([metrics[k].float() for k in self._metric_names])
@@ -259,9 +257,7 @@ class NxDPreferenceModel(NxDLanguageModel):
         Empty before the first training step."""
         if self._metric_acc is None:
             return {}
-        mean = self._metric_acc / max(self._loss_count, 1)
-        group = ps.get_data_parallel_group(with_context_parallel=True)
-        mean = collectives.all_reduce(mean.clone(), group) / ps.get_data_parallel_world_size(with_context_parallel=True)
+        mean = self._data_parallel_mean(self._metric_acc / max(self._loss_count, 1))
         self._metric_acc = None
         return {name: mean[i] for i, name in enumerate(self._metric_names)}
 

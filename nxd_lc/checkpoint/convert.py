@@ -42,6 +42,7 @@ import torch
 
 from nxd_lc.checkpoint import sharded
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.layers.lora import load_lora_state_dict, merge_lora
 
 log = logging.getLogger("nxd_lc.checkpoint.convert")
 
@@ -233,11 +234,11 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
                          f"(got {keys}); it was not written by nxd_lc's training module")
     local = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
     try:
-        result = model.load_state_dict(local, strict=not adapters_only)
-        missing = [k for k in result.missing_keys if k.rsplit(".", 1)[-1] in ("lora_A", "lora_B")]
-        if missing or result.unexpected_keys:
-            raise RuntimeError(f"missing adapters {missing[:3]}, unexpected keys {result.unexpected_keys[:3]}")
-    except RuntimeError as e:
+        if adapters_only:
+            load_lora_state_dict(model, local)
+        else:
+            model.load_state_dict(local, strict=True)
+    except (RuntimeError, ValueError) as e:
         raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)} does not match the model of the config "
                          f"(model.model_config, hf_config_overrides, fuse_qkv, qkv_linear, kv_replicator must "
                          f"be those of the run that saved it): {e}") from e
@@ -333,8 +334,6 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser,
                          adapters_only=lora_only)
         if peft is not None:
-            from nxd_lc.layers.lora import merge_lora
-
             merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
         tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None
         parent, name = os.path.split(output)

@@ -440,6 +440,17 @@ def _alignment_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+def _keeps_master_weights(cfg: NxdConfig) -> bool:
+    """Whether the precision mode keeps fp32 master weights (the policy's own rule); False for an unknown type or
+    reduce dtype, which are reported by their own checks."""
+    from nxd_lc.precision.policy import resolve_precision
+
+    try:
+        return resolve_precision(cfg).master_weights
+    except ValueError:
+        return False
+
+
 def _precision_problems(cfg: NxdConfig) -> list[str]:
     """Precision keys that cannot be honoured together (modes -> dtypes: :mod:`nxd_lc.precision.policy`)."""
     p: list[str] = []
@@ -453,9 +464,7 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
     if prec.type != "manual" and (prec.master_weights or prec.fp32_grad_acc):
         p.append(f"precision.master_weights / precision.fp32_grad_acc: only read with precision.type manual "
                  f"(type {prec.type} fixes them, see the README precision table); set them false or use manual")
-    has_masters = prec.type in ("mixed_precision", "mixed_precisionSR") or (
-        prec.type == "manual" and prec.master_weights and "1" in (str(prec.xla_use_bf16), str(prec.xla_downcast_bf16)))
-    if ckpt.use_master_weights_in_ckpt and not has_masters:
+    if ckpt.use_master_weights_in_ckpt and not _keeps_master_weights(cfg):
         p.append(f"exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt: precision.type {prec.type} "
                  "keeps no fp32 master weights; use mixed_precision / mixed_precisionSR (or manual with "
                  "master_weights and bf16) or set it false")

@@ -82,6 +82,7 @@ __all__ = [
     "LoraRowParallelLinear",
     "apply_lora",
     "convert_to_lora",
+    "is_lora_key",
     "load_lora_state_dict",
     "lora_disabled",
     "lora_dropout",
@@ -90,6 +91,12 @@ __all__ = [
     "lora_state_dict",
     "merge_lora",
 ]
+
+
+def is_lora_key(key: str) -> bool:
+    """True for the adapter entries of a state dict (``...lora_A`` / ``...lora_B``), as :func:`lora_state_dict`
+    writes them."""
+    return key.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
 
 
 def lora_scale(lora_alpha: float, lora_rank: int) -> float:

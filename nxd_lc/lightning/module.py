@@ -112,10 +112,20 @@ class NxDLanguageModel(pl.LightningModule):
         CP ranks' tokens, scaled by CP (see :func:`nxd_lc.context.context_parallel_loss`)."""
         loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
         loss = context_parallel_loss(loss_sum, num_tokens)
+        self._accumulate_loss(loss)
+        return loss
+
+    def _accumulate_loss(self, loss: torch.Tensor) -> None:
+        """Add a micro-batch's loss (detached) to the step's sum behind ``reduced_train_loss``."""
         detached = loss.detach()
         self._loss_acc = detached if self._loss_acc is None else self._loss_acc + detached
         self._loss_count += 1
-        return loss
+
+    @staticmethod
+    def _data_parallel_mean(value: torch.Tensor) -> torch.Tensor:
+        """Mean of ``value`` over the DP x CP group (a new tensor; one all-reduce)."""
+        total = collectives.all_reduce(value.clone(), ps.get_data_parallel_group(with_context_parallel=True))
+        return total / ps.get_data_parallel_world_size(with_context_parallel=True)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted validation loss; reduced over DP x CP in :meth:`on_validation_epoch_end`."""
@@ -176,9 +186,7 @@ class NxDLanguageModel(pl.LightningModule):
         host values (lr, consumed samples, step) are CPU tensors, so logging them never touches the device."""
         em = self.cfg.exp_manager
         if self._loss_acc is not None:
-            loss = self._loss_acc / max(self._loss_count, 1)
-            loss = collectives.all_reduce(loss.clone(), ps.get_data_parallel_group(with_context_parallel=True))
-            loss = loss / ps.get_data_parallel_world_size(with_context_parallel=True)
+            loss = self._data_parallel_mean(self._loss_acc / max(self._loss_count, 1))
             self.log("reduced_train_loss", loss, prog_bar=False, rank_zero_only=False)
         self._loss_acc, self._loss_count = None, 0
         self.log("lr", torch.tensor(optimizer.param_groups[0]["lr"]), prog_bar=True, rank_zero_only=False)

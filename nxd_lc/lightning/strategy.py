@@ -22,14 +22,10 @@ from pytorch_lightning.strategies import DDPStrategy
 
 from nxd_lc.checkpoint import sharded
 from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
 
 MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
-
-
-def _is_lora_key(key: str) -> bool:
-    """True for LoRA adapter entries of a state dict (``...lora_A`` / ``...lora_B``)."""
-    return key.rsplit(".", 1)[-1] in ("lora_A", "lora_B")
 
 
 class NxDStrategy(DDPStrategy):
@@ -110,7 +106,7 @@ class NxDStrategy(DDPStrategy):
         if self.use_master_weights_in_ckpt and optim_state:
             model_state = self._master_weight_state(model_state)
         if self.lora_only:
-            model_state = {k: v for k, v in model_state.items() if _is_lora_key(k)}
+            model_state = {k: v for k, v in model_state.items() if is_lora_key(k)}
         ranks = self._ranks()
         # model (and unsharded optimizer) state is identical over DP and CP: one writer per (TP, PP) position
         writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -132,17 +128,18 @@ class NxDStrategy(DDPStrategy):
         return checkpoint
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load the local shard; bf16-saved weights (save_bf16) are cast back to the parameters' dtype."""
+        """Load the local shard; bf16-saved weights (save_bf16) are cast back to the parameters' dtype.
+
+        Raises:
+            ValueError: an adapter-only shard (``lora_only``) whose adapters do not match the model's (keys or
+                shapes; see :func:`nxd_lc.layers.lora.load_lora_state_dict`).
+        """
         assert self.lightning_module is not None
         if not self.lora_only:
             self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=strict)
             return
-        result = self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=False)
-        missing = [k for k in result.missing_keys if _is_lora_key(k)]
-        if missing or result.unexpected_keys:
-            raise ValueError(f"adapter-only checkpoint does not match the LoRA model (model.peft): missing "
-                             f"{missing[:3]}, unexpected {result.unexpected_keys[:3]}; resume with the same "
-                             "model.peft.target_modules / lora_rank")
+        # adapter-only shard: every adapter must be there, nothing else (keys and shapes checked by the loader)
+        load_lora_state_dict(self.lightning_module, checkpoint[MODEL_KEY])
 
     def remove_checkpoint(self, filepath: Any) -> None:
         """Remove ``<root>/<tag>`` (rank 0, atomically: renamed away before deletion)."""

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from nxd_lc.distributed import collectives
@@ -195,23 +196,27 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._gather_bucket(bucket)
 
     def _gather_bucket(self, bucket: list[_Slot]) -> None:
-        """All-gather the rounded shards of ``bucket`` (same dtype per bucket is required: split by dtype)."""
+        """All-gather the rounded shards of ``bucket`` into the parameters (one collective per parameter dtype)."""
         by_dtype: dict[torch.dtype, list[_Slot]] = {}
         for s in bucket:
             by_dtype.setdefault(s.param.dtype, []).append(s)
         for dtype, slots in by_dtype.items():
-            pieces = []
-            for s in slots:
-                local = self._rounded(s)
-                pad = s.shard_numel - local.numel()
-                pieces.append(torch.nn.functional.pad(local, (0, pad)) if pad else local)
-            total = sum(s.shard_numel for s in slots)
-            gathered = collectives.all_gather(torch.cat(pieces).to(dtype), 0, self._group).view(self._world, total)
-            offset = 0
-            for s in slots:
-                full = gathered[:, offset:offset + s.shard_numel].reshape(-1)[: s.param.numel()]
-                s.param.data.copy_(full.view_as(s.param))
-                offset += s.shard_numel
+            fulls = self._all_gather_shards(slots, [self._rounded(s).to(dtype) for s in slots])
+            for s, full in zip(slots, fulls):
+                s.param.data.copy_(full)
+
+    def _all_gather_shards(self, slots: list[_Slot], shards: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Full parameter-shaped tensors from each rank's ``shards`` (one per slot, same dtype, unpadded), in one
+        all-gather over DP x CP of the padded shards laid end to end."""
+        pieces = [F.pad(t, (0, s.shard_numel - t.numel())) if t.numel() < s.shard_numel else t
+                  for s, t in zip(slots, shards)]
+        total = sum(s.shard_numel for s in slots)
+        gathered = collectives.all_gather(torch.cat(pieces), 0, self._group).view(self._world, total)
+        fulls, offset = [], 0
+        for s in slots:
+            fulls.append(gathered[:, offset:offset + s.shard_numel].reshape(-1)[: s.param.numel()].view_as(s.param))
+            offset += s.shard_numel
+        return fulls
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -286,12 +291,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         (collective over DP x CP: every rank must call it). Empty without persistent master weights."""
         if not self.persistent:
             return []
-        out = []
-        for s in self.slots:
-            w = s.work.detach()
-            if self.zero1:
-                pad = s.shard_numel - w.numel()
-                w = torch.nn.functional.pad(w, (0, pad)) if pad else w
-                w = collectives.all_gather(w.contiguous(), 0, self._group)[: s.param.numel()]
-            out.append((s.param, w.reshape(s.param.shape)))
-        return out
+        works = [s.work.detach() for s in self.slots]
+        fulls = (self._all_gather_shards(self.slots, works) if self.zero1
+                 else [w.reshape(s.param.shape) for s, w in zip(self.slots, works)])
+        return [(s.param, w) for s, w in zip(self.slots, fulls)]
