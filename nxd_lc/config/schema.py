@@ -76,6 +76,7 @@ class ExpManagerConfig:
     save_bf16: bool = False  # cast floating model weights to bf16 in the saved checkpoint
     async_checkpointing: bool = False  # save in a background thread (not supported yet when true)
     resume_from_checkpoint: Optional[str] = None  # explicit checkpoint dir (<root>/<tag>) to resume from
+    ckpt_ptl_version: Optional[str] = None  # PTL version of a resumed checkpoint recording none (Lightning migrates it)
 
 
 @dataclass

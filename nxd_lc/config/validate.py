@@ -474,11 +474,26 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
+    """``exp_manager.ckpt_ptl_version`` must parse as a version (it is compared with the checkpoint's own)."""
+    from packaging.version import InvalidVersion, Version
+
+    version = cfg.exp_manager.ckpt_ptl_version
+    try:
+        if version is not None:
+            Version(version)
+    except InvalidVersion:
+        return [f"exp_manager.ckpt_ptl_version: {version!r} is not a version; give the pytorch-lightning version "
+                f"the checkpoint was saved with, e.g. '1.8.6', or remove it"]
+    return []
+
+
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
     hf = read_model_json(cfg)  # read once; both head and CP rules need it
     return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg, hf)
-            + _context_parallel_problems(cfg, hf) + _memory_problems(cfg) + _choice_problems(cfg))
+            + _context_parallel_problems(cfg, hf) + _memory_problems(cfg) + _choice_problems(cfg)
+            + _checkpoint_problems(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

@@ -23,6 +23,7 @@ from pytorch_lightning.strategies import DDPStrategy
 from nxd_lc.checkpoint import sharded
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
+from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
 MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
@@ -41,6 +42,8 @@ class NxDStrategy(DDPStrategy):
             (``exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt``; needs master weights).
         lora_only: model shards hold the LoRA adapters alone (``model.peft`` with ``save_lora_base: false``); the
             frozen base weights come from ``model.hf_weights_dir`` on resume.
+        ckpt_ptl_version: ``exp_manager.ckpt_ptl_version``: the Lightning version of a loaded checkpoint that
+            records none (:func:`nxd_lc.lightning.ckpt_version.apply_ckpt_ptl_version`).
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
 
@@ -48,8 +51,9 @@ class NxDStrategy(DDPStrategy):
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
                  zero1: bool = False, use_master_weights_in_ckpt: bool = False, lora_only: bool = False,
-                 **kwargs: Any) -> None:
+                 ckpt_ptl_version: Optional[str] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.ckpt_ptl_version = ckpt_ptl_version
         self.lora_only = lora_only
         self.save_xser = save_xser
         self.load_xser = load_xser
@@ -117,11 +121,12 @@ class NxDStrategy(DDPStrategy):
             save_bf16=self.save_bf16, **ranks)
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
-        """Read this rank's shards of ``<root>/<tag>`` back into one Lightning checkpoint dict."""
+        """Read this rank's shards of ``<root>/<tag>`` back into one Lightning checkpoint dict (with its Lightning
+        version, from ``ckpt_ptl_version`` when it records none; Lightning migrates it next)."""
         root, tag = os.path.split(os.path.abspath(str(checkpoint_path)))
         model_state, optim_state, content = sharded.load_checkpoint(root, tag, load_optim=True,
                                                                     use_xser=self.load_xser, **self._ranks())
-        checkpoint = dict(content)
+        checkpoint = apply_ckpt_ptl_version(dict(content or {}), self.ckpt_ptl_version, os.path.join(root, tag))
         checkpoint[MODEL_KEY] = model_state
         if optim_state:
             checkpoint.update(optim_state)

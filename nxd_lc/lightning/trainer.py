@@ -26,7 +26,7 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     em = cfg.exp_manager
     ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                 use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
-                zero1=cfg.distributed_strategy.zero1,
+                zero1=cfg.distributed_strategy.zero1, ckpt_ptl_version=em.ckpt_ptl_version,
                 lora_only=cfg.model.peft is not None and not cfg.model.peft.save_lora_base)
     autocast = resolve_precision(cfg).autocast_dtype is not None
     if is_xla_accelerator(runtime.accelerator):
