@@ -9,6 +9,8 @@ Call order after ``loss.backward()`` (each step, before the optimizer):
    ``kv_replicated``, optionally only rows ``kv_replicated_rows=(start, stop)`` of dim 0) each saw
    the queries of one rank: the replicas' gradients are summed over the KV-shared group.
 3. :func:`allreduce_data_parallel_gradients` - average over DP (x CP).
+3b. :func:`allreduce_tied_embedding_gradients` - pipeline: tied embedding and its lm-head copy summed over
+   the first and last stage (the copy is then skipped by the norms).
 4. :func:`clip_grad_norm_` / :func:`global_grad_norm`.
 
 Norm convention: the global norm is that of the *unsharded, unreplicated* model, identical on
@@ -109,9 +111,20 @@ def allreduce_data_parallel_gradients(
     _coalesced_all_reduce(grads, group, op="avg", bucket_size_mb=bucket_size_mb)
 
 
+def allreduce_tied_embedding_gradients(params: Iterable[nn.Parameter]) -> None:
+    """Sum the gradients of parameters flagged ``pipeline_tied`` (the tied embedding on the first pipeline stage
+    and its lm-head copy on the last) over the embedding group, so both copies take the same update (Megatron's
+    shared-embedding all-reduce). No-op without pipelining and on middle stages. Collective over the embedding
+    group: the first and last stage must both call it."""
+    tied = [g for p in params if getattr(p, "pipeline_tied", False) and (g := grad_of(p)) is not None]
+    _coalesced_all_reduce(tied, parallel_state.get_embedding_group())
+
+
 def _norm_parts(param: nn.Parameter, tensor: torch.Tensor) -> list[torch.Tensor]:
     """The pieces of ``tensor`` this rank counts in a global norm (see module docstring)."""
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    if getattr(param, "pipeline_tied_copy", False):  # the first pipeline stage counts the tied embedding
+        return []
     if not getattr(param, "tensor_model_parallel", False):
         return [tensor] if tp_rank == 0 else []
     if not getattr(param, "kv_replicated", False) or parallel_state.get_kv_shared_group_rank() == 0:

@@ -64,6 +64,9 @@ def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int) -> dict[str, lis
         for i in idx:
             buckets.setdefault(key(*i), []).append(rank(*i))
         layout[name] = [sorted(v) for v in buckets.values()]
+    # embedding group: first and last pipeline stage of each (DP, CP, TP) position (tied embeddings, Megatron)
+    layout["emb"] = [sorted({rank(0, d, c, t), rank(pp - 1, d, c, t)})
+                     for d in range(dp) for c in range(cp) for t in range(tp)]
     return layout
 
 
@@ -77,7 +80,8 @@ def rank_layout(
     """Global-rank lists of every group, without creating any group.
 
     Returns a dict with keys ``tp``, ``cp``, ``dp``, ``dp_cp`` (DP x CP), ``pp``, ``mp`` (TP x PP,
-    the model-parallel group) and ``kv`` (KV-shared), each a list of sorted rank lists.
+    the model-parallel group), ``kv`` (KV-shared) and ``emb`` (the first and last pipeline stage of each
+    DP/CP/TP position: tied embedding weights; middle stages belong to none), each a list of sorted rank lists.
 
     Raises:
         ValueError: if a size is < 1, ``world_size`` is not divisible by TP*CP*PP, or TP is not
@@ -177,6 +181,15 @@ def _state() -> _State | None:
 def _group(name: str) -> ProcessGroup | None:
     state = _state()
     return None if state is None else state.groups[name]
+
+
+def get_embedding_group() -> ProcessGroup | None:
+    """First + last pipeline stage of this rank's (DP, CP, TP) position, whose tied embedding / lm-head weights
+    are kept equal by summing their gradients; None on middle stages and without pipelining (one stage)."""
+    state = _state()
+    if state is None or state.pp == 1 or "emb" not in state.groups:
+        return None
+    return state.groups["emb"]
 
 
 def _rank(name: str) -> int:
@@ -279,12 +292,12 @@ def get_kv_replicator() -> int:
 
 def get_group_ranks(name: str) -> list[int]:
     """Global ranks of this rank's group ``name`` (``tp``, ``cp``, ``dp``, ``dp_cp``, ``pp``, ``mp``,
-    ``kv``); ``[0]`` without torch.distributed.
+    ``kv``, ``emb``); ``[0]`` without torch.distributed (``[]`` for ``emb`` on a middle pipeline stage).
 
     Raises:
         ValueError: for an unknown group name.
     """
-    if name not in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "kv"):
+    if name not in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "kv", "emb"):
         raise ValueError(f"get_group_ranks: unknown group {name!r}")
     state = _state()
-    return [0] if state is None else list(state.ranks[name])
+    return [0] if state is None else list(state.ranks.get(name, []))

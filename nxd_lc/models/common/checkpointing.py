@@ -47,15 +47,17 @@ GRANULARITIES = (None, "selective", "full")
 _FLAG = "_nxd_activation_checkpointed"
 
 
-def _decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """``model.layers`` (the decoder layers); ValueError if the model has none."""
+def _decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """``(index, layer)`` of the decoder layers this process holds (``model.local_layers()`` under pipelining,
+    else all of ``model.layers``); ValueError if the model has none."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
             f"activation checkpointing needs a decoder with a 'layers' ModuleList (e.g. LlamaForCausalLM); "
             f"got {type(model).__name__}"
         )
-    return layers
+    local = getattr(model, "local_layers", None)
+    return local() if callable(local) else list(enumerate(layers))
 
 
 def recomputable_module_names(model: nn.Module) -> list[str]:
@@ -66,7 +68,7 @@ def recomputable_module_names(model: nn.Module) -> list[str]:
     Raises:
         ValueError: the model has no ``layers`` ModuleList.
     """
-    return sorted({type(m).__name__ for layer in _decoder_layers(model) for m in layer.modules()})
+    return sorted({type(m).__name__ for _, layer in _decoder_layers(model) for m in layer.modules()})
 
 
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -111,13 +113,13 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         return []
     layers = _decoder_layers(model)
     if granularity == "full":
-        targets = [(f"layers.{i}", layer) for i, layer in enumerate(layers)]
+        targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
         targets = _selective_targets(model, layers, list(recompute or []))
     return [name for name, module in targets if _wrap(module)]
 
 
-def _selective_targets(model: nn.Module, layers: nn.ModuleList,
+def _selective_targets(model: nn.Module, layers: list[tuple[int, nn.Module]],
                        names: list[str]) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every module in ``layers`` whose class name is in ``names``."""
     valid = recomputable_module_names(model)
@@ -129,7 +131,7 @@ def _selective_targets(model: nn.Module, layers: nn.ModuleList,
         raise ValueError(f"model.activations_checkpoint_recompute: unknown module name(s) {unknown}; valid "
                          f"names for this model: {valid}")
     return [(f"layers.{i}.{sub}" if sub else f"layers.{i}", m)
-            for i, layer in enumerate(layers) for sub, m in layer.named_modules()
+            for i, layer in layers for sub, m in layer.named_modules()
             if type(m).__name__ in names]
 
 

@@ -30,6 +30,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -167,8 +168,10 @@ def _attention_entries(p: str, hp: str, attn: nn.Module) -> list[_Entry]:
 
 def _entries(model: LlamaForCausalLM) -> list[_Entry]:
     """All mappings of ``model``, in a fixed order (identical on every rank)."""
-    out = [_Entry("vocab", ["model.embed_tokens.weight"], {"embed_tokens.weight": model.embed_tokens.weight})]
-    for i, layer in enumerate(model.layers):
+    out = []
+    if model.embed_tokens is not None:  # None on pipeline stages other than the first
+        out.append(_Entry("vocab", ["model.embed_tokens.weight"], {"embed_tokens.weight": model.embed_tokens.weight}))
+    for i, layer in model.local_layers():
         p, hp = f"layers.{i}", f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
             weight = getattr(layer, norm).weight
@@ -180,9 +183,12 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
                 hf = [f"{hp}.mlp.gate_proj.{part}", f"{hp}.mlp.up_proj.{part}"]
                 out.append(_Entry("gate_up", hf, {f"{p}.mlp.gate_up_proj.{part}": getattr(gate_up, part)}))
         out += _linear_entries(f"{p}.mlp.down_proj", f"{hp}.mlp.down_proj", layer.mlp.down_proj, "row")
-    out.append(_Entry("replicated", ["model.norm.weight"], {"norm.weight": model.norm.weight}))
-    if not model.config.tie_word_embeddings:
+    if model.norm is not None:  # None on pipeline stages other than the last
+        out.append(_Entry("replicated", ["model.norm.weight"], {"norm.weight": model.norm.weight}))
+    if model.lm_head is not None and not model.config.tie_word_embeddings:
         out.append(_Entry("vocab", ["lm_head.weight"], {"lm_head.weight": model.lm_head.weight}))
+    elif model.lm_head is not None and model.embed_tokens is None:  # tied, embedding on the first stage
+        out.append(_Entry("vocab", ["model.embed_tokens.weight"], {"lm_head.weight": model.lm_head.weight}))
     _check_coverage(model, out)
     return out
 
@@ -197,8 +203,6 @@ def _check_coverage(model: nn.Module, entries: list[_Entry]) -> None:
 
 
 def _tp() -> tuple[int, int]:
-    if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-        raise ValueError("HF weight loading/export with pipeline_model_parallel_size > 1 is not supported yet")
     return parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_world_size()
 
 
@@ -304,10 +308,46 @@ def load_hf_weights(model: LlamaForCausalLM, path: str | Path) -> None:
                 assert tuple(value.shape) == tuple(param.shape), (name, value.shape, param.shape)
                 param.copy_(value)
             used.update(e.hf_names)
-        unused = sorted(n for n in ckpt.weight_map if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+        unused = sorted(n for n in ckpt.weight_map
+                        if n not in used and not n.endswith(_IGNORED_SUFFIXES) and not _on_other_stage(model, n))
     if unused:
         logger.warning("load_hf_weights: %d tensors of %s have no parameter and were skipped, e.g. %s",
                        len(unused), path, unused[:5])
+
+
+def _on_other_stage(model: LlamaForCausalLM, hf_name: str) -> bool:
+    """Whether HF tensor ``hf_name`` belongs to a module held by another pipeline stage."""
+    parts = hf_name.split(".")
+    if hf_name.startswith("model.layers.") and parts[2].isdigit() and int(parts[2]) < len(model.layers):
+        return int(parts[2]) not in dict(model.local_layers())
+    if hf_name.startswith("model.embed_tokens."):
+        return model.embed_tokens is None and (model.lm_head is None or not model.config.tie_word_embeddings)
+    if hf_name.startswith(("model.norm.", "lm_head.")):
+        return model.norm is None
+    return False
+
+
+def _gather_pipeline_stages(out: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
+    """Merge the per-stage exports of all pipeline stages (collective over the PP group; no-op at PP 1).
+
+    With ``rank0_only`` only pipeline rank 0 (which holds global rank 0) receives the merged dict."""
+    group = parallel_state.get_pipeline_model_parallel_group()
+    if collectives.group_size(group) == 1:
+        return out
+    import torch.distributed as dist
+
+    parts: list[Any] = [None] * collectives.group_size(group)
+    if rank0_only:
+        first = parallel_state.get_group_ranks("pp")[0]
+        dist.gather_object(out, parts if collectives.get_global_rank() == first else None, dst=first, group=group)
+        if collectives.get_global_rank() != first:
+            return {}
+    else:
+        dist.all_gather_object(parts, out, group=group)
+    merged: dict[str, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part or {})
+    return merged
 
 
 def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
@@ -340,15 +380,18 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
         dtype: cast to this dtype (default: each parameter's dtype).
     """
     entries = _entries(model)
-    _tp()
-    keep = not rank0_only or collectives.get_global_rank() == 0
+    # one full copy per pipeline stage, on the stage's first rank (global rank 0 for the first stage)
+    keep = not rank0_only or (parallel_state.get_tensor_model_parallel_rank() == 0
+                              and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
     out: dict[str, torch.Tensor] = {}
     for e in entries:
+        if model.config.tie_word_embeddings and "lm_head.weight" in e.params and model.embed_tokens is None:
+            continue  # the last stage's copy of a tied embedding: the first stage exports it
         tensors = _export_entry(e, model)
         if keep:
             for name, t in zip(e.hf_names, tensors):
                 out[name] = t.to(device="cpu", dtype=dtype or t.dtype, copy=True).contiguous()
-    return out
+    return _gather_pipeline_stages(out, rank0_only)
 
 
 def _split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:

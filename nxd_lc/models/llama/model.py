@@ -27,7 +27,7 @@ from __future__ import annotations
 import difflib
 import functools
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ __all__ = [
     "LlamaAttention",
     "LlamaDecoderLayer",
     "LlamaForCausalLM",
+    "RemoteLayer",
     "build_llama_config",
     "causal_lm_loss",
     "causal_lm_loss_from_hidden",
@@ -353,6 +354,20 @@ class LlamaDecoderLayer(nn.Module):
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
+class RemoteLayer(nn.Module):
+    """Placeholder for decoder layer ``index`` held by another pipeline stage (no parameters; keeps the layer
+    indices, hence the parameter names ``layers.<i>.*``, identical at every pipeline split)."""
+
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Always raises RuntimeError: the layer's weights are on another pipeline stage."""
+        raise RuntimeError(f"decoder layer {self.index} lives on another pipeline stage; run it there "
+                           "(nxd_lc.pipeline) instead of calling the full model on this rank")
+
+
 class LlamaForCausalLM(nn.Module):
     """Tensor/sequence-parallel Llama causal LM from an HF :class:`LlamaConfig`.
 
@@ -366,6 +381,10 @@ class LlamaForCausalLM(nn.Module):
         flash_attention: torch SDPA (True) or the eager reference attention (False).
         use_cpu_initialization: initialise full weights on CPU and slice (TP-size independent).
         dtype, device: of the parameters.
+        keep_layers: decoder-layer indices this pipeline stage holds (None: all); the others become
+            :class:`RemoteLayer` placeholders.
+        keep_embedding, keep_head: whether this stage holds the embedding (first stage) and the final norm +
+            lm head (last stage); the dropped modules are ``None``.
 
     Weights are initialised as HF does (``normal(0, initializer_range)`` for linear and embedding
     weights, ones for norms, zero biases); padded embedding rows are zeroed. With
@@ -378,7 +397,8 @@ class LlamaForCausalLM(nn.Module):
     def __init__(self, config: LlamaConfig, *, sequence_parallel: bool = False, kv_replicator: int = 1,
                  fuse_qkv: bool = True, qkv_linear: bool = True, flash_attention: bool = True,
                  use_cpu_initialization: bool = True, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, keep_layers: Collection[int] | None = None,
+                 keep_embedding: bool = True, keep_head: bool = True) -> None:
         super().__init__()
         self.config = config
         self.sequence_parallel = sequence_parallel
@@ -392,11 +412,15 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = ParallelEmbedding(self.padded_vocab_size, config.hidden_size,
                                               sequence_parallel_enabled=sequence_parallel, init_method=init,
                                               **layer_kw)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, sequence_parallel=sequence_parallel, init_method=init, attn_kw=attn_kw,
-                              **layer_kw)
-            for _ in range(config.num_hidden_layers)
-        )
+        # Every layer is built (so the seeded initialisation is the same at every pipeline split), and a layer
+        # of another pipeline stage is dropped at once: peak memory is this stage's layers plus one.
+        keep = set(range(config.num_hidden_layers)) if keep_layers is None else set(keep_layers)
+        self.layers = nn.ModuleList()
+        for i in range(config.num_hidden_layers):
+            layer = LlamaDecoderLayer(config, sequence_parallel=sequence_parallel, init_method=init,
+                                      attn_kw=attn_kw, **layer_kw)
+            self.layers.append(layer if i in keep else RemoteLayer(i))
+            del layer
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, sequence_parallel_enabled=sequence_parallel,
                             dtype=dtype, device=device)
         self.lm_head = ColumnParallelLinear(config.hidden_size, self.padded_vocab_size, bias=False,
@@ -409,13 +433,42 @@ class LlamaForCausalLM(nn.Module):
         first = parallel_state.get_tensor_model_parallel_rank() * vocab_local
         self.num_valid_vocab_local = max(0, min(vocab_local, config.vocab_size - first))
         self._zero_padded_embedding_rows()
+        self._keep_pipeline_part(keep_embedding, keep_head)
         # tokens per chunk of the tiled CE in loss(); None: untiled (set by apply_memory_techniques)
         self.tiled_loss_chunk_size: int | None = None
+
+    def _keep_pipeline_part(self, keep_embedding: bool, keep_head: bool) -> None:
+        """Drop the embedding (not on the first pipeline stage) and the final norm + lm head (not on the last).
+
+        With tied embeddings split over two stages, the last stage's lm head gets its own copy of the (already
+        initialised) embedding weight; both are flagged ``pipeline_tied`` and their gradients are summed over the
+        embedding group (:func:`nxd_lc.distributed.grads.allreduce_tied_embedding_gradients`); the copy is also
+        flagged ``pipeline_tied_copy`` so global norms count the weight once (Megatron's shared embedding).
+        """
+        tied = bool(self.config.tie_word_embeddings)
+        if keep_head and not keep_embedding and tied:
+            self.lm_head.weight = nn.Parameter(self.embed_tokens.weight.detach().clone())
+            for attr, value in vars(self.embed_tokens.weight).items():  # TP layout flags
+                setattr(self.lm_head.weight, attr, value)
+            self.lm_head.weight.pipeline_tied = True
+            self.lm_head.weight.pipeline_tied_copy = True
+        if keep_embedding and not keep_head and tied:
+            self.embed_tokens.weight.pipeline_tied = True
+        if not keep_embedding:
+            self.embed_tokens = None
+        if not keep_head:
+            self.norm = None
+            self.lm_head = None
+
+    def local_layers(self) -> list[tuple[int, LlamaDecoderLayer]]:
+        """``(index, layer)`` of the decoder layers held by this process (all of them without pipelining)."""
+        return [(i, layer) for i, layer in enumerate(self.layers) if not isinstance(layer, RemoteLayer)]
 
     @torch.no_grad()
     def _zero_padded_embedding_rows(self) -> None:
         """Zero the embedding rows of padded vocab ids (only on the last TP rank(s))."""
-        self.embed_tokens.weight[self.num_valid_vocab_local:].zero_()
+        if self.embed_tokens is not None:
+            self.embed_tokens.weight[self.num_valid_vocab_local:].zero_()
 
     def _check_inputs(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
         """Validate [B, S] ids; return position_ids (default ``arange(S)`` per row)."""
@@ -451,13 +504,32 @@ class LlamaForCausalLM(nn.Module):
             ValueError: bad input shapes (names the tensor), or decreasing / non-integer segment_ids.
         """
         position_ids = self._check_inputs(input_ids, position_ids)
+        self._check_segment_ids(segment_ids, input_ids)
+        cos, sin = self.rotary_emb(position_ids)  # [B, S, D] fp32
+        h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
+        h = self.run_layers(h, range(len(self.layers)), cos, sin, segment_ids)
+        return self.head_input(h)
+
+    @staticmethod
+    def _check_segment_ids(segment_ids: torch.Tensor | None, input_ids: torch.Tensor) -> None:
         if segment_ids is not None and segment_ids.shape != input_ids.shape:
             raise ValueError(f"segment_ids shape {tuple(segment_ids.shape)} must equal input_ids' "
                              f"{tuple(input_ids.shape)}")
-        cos, sin = self.rotary_emb(position_ids)  # [B, S, D] fp32
-        h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
-        for layer in self.layers:
-            h = layer(h, cos, sin, segment_ids)
+
+    def run_layers(self, h: torch.Tensor, layer_ids: Iterable[int], cos: torch.Tensor, sin: torch.Tensor,
+                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Decoder layers ``layer_ids`` in order: h [B, S(/tp), H] -> [B, S(/tp), H]; cos/sin [B, S, D] fp32.
+
+        Raises:
+            RuntimeError: a layer of ``layer_ids`` lives on another pipeline stage.
+        """
+        for i in layer_ids:
+            h = self.layers[i](h, cos, sin, segment_ids)
+        return h
+
+    def head_input(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm of the last layer's output h [B, S(/tp), H], entered into the TP region -> [B, S, H]
+        (see :meth:`hidden_states`)."""
         h = self.norm(h)  # [B, S(/tp), H]
         if self.lm_head.sequence_parallel_enabled:
             return gather_from_sequence_parallel_region(h, to_model_parallel=True)  # [B, S, H]

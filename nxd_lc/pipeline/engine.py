@@ -1,0 +1,177 @@
+"""Pipeline-parallel training and evaluation steps on ``torch.distributed.pipelining``.
+
+One optimizer step of a pipeline-parallel run processes this DP rank's whole share of the global batch,
+``num_microbatches = global_batch_size / (micro_batch_size x DP)`` micro-batches of ``micro_batch_size`` rows
+(NxD's rule), in one schedule call: :class:`torch.distributed.pipelining.Schedule1F1B` (one stage per rank) or
+:class:`~torch.distributed.pipelining.ScheduleInterleaved1F1B` (``V = virtual_pipeline_model_parallel_size``
+stages per rank, stage ``r + k x PP`` on pipeline rank ``r``). Activations and their gradients travel between
+the ranks of each PP group (same DP, CP and TP rank) by point-to-point send / receive.
+
+Loss and gradients match the non-pipelined run with gradient accumulation: each micro-batch's loss is its token
+mean (CP-normalised), and the loss that is back-propagated is that value divided by ``num_microbatches``
+(``scale_grads=False``: the scaling lives in the loss, so fp32 ``main_grad`` accumulation buffers are scaled too).
+The step's loss is the sum of those scaled values, i.e. the mean over micro-batches; the last stage holds it and
+it is summed over the PP group (zeros elsewhere), so every rank logs the same number.
+
+Every rank builds the schedule lazily for the first batch of a given shape and keeps it (one per shape / dtype).
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+
+from nxd_lc.distributed import collectives
+from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.pipeline.split import stages_of_rank
+from nxd_lc.pipeline.stage import PipelineStageModule, meta_like, stage_activation_shape
+
+
+def _schedule_kwargs(cls: type) -> dict[str, Any]:
+    """``scale_grads=False`` where the schedule class takes it (torch >= 2.6; torch 2.9-2.13 all do). Older
+    schedules never scaled, which is the same behaviour."""
+    return {"scale_grads": False} if "scale_grads" in inspect.signature(cls.__init__).parameters else {}
+
+
+class PipelineEngine:
+    """Runs the rank's pipeline stages of a pipeline-cut Llama.
+
+    Args:
+        model: the rank model (``LlamaForCausalLM`` built with this rank's ``keep_layers`` / ``keep_embedding`` /
+            ``keep_head``).
+        layer_ranges: decoder layers of every stage (:func:`nxd_lc.pipeline.split.stage_layer_ranges`).
+        virtual_size: ``V``, stages per pipeline rank.
+        micro_batch_size: rows per micro-batch.
+        sequence_parallel: activations between stages are ``[B, S/tp, H]``.
+    """
+
+    def __init__(self, model: nn.Module, layer_ranges: Sequence[range], *, virtual_size: int,
+                 micro_batch_size: int, sequence_parallel: bool) -> None:
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.num_stages = self.pp * virtual_size
+        if len(layer_ranges) != self.num_stages:
+            raise ValueError(f"pipeline: {len(layer_ranges)} stage layer ranges for {self.num_stages} stages")
+        self.virtual_size = virtual_size
+        self.micro_batch_size = micro_batch_size
+        self.sequence_parallel = sequence_parallel
+        self.model = model
+        stage_ids = stages_of_rank(ps.get_pipeline_model_parallel_rank(), self.pp, virtual_size)
+        self.stage_modules = [PipelineStageModule(model, layer_ranges[s], s, self.num_stages) for s in stage_ids]
+        self.holds_last_stage = any(m.is_last for m in self.stage_modules)
+        self._schedules: dict[tuple[Any, ...], Any] = {}
+
+    # ---- schedule construction -------------------------------------------------------------------------------
+    def _activation_dtype(self) -> torch.dtype:
+        """dtype of the residual stream between stages: that of the parameters (fp32 under autocast, where
+        the residual adds promote bf16 outputs back to fp32)."""
+        layer = self.stage_modules[0].layers[0]
+        return layer.input_layernorm.weight.dtype
+
+    def _pipeline_stage(self, module: PipelineStageModule, seq_local: int, device: torch.device) -> Any:
+        from torch.distributed.pipelining import PipelineStage
+
+        hidden = self.model.config.hidden_size
+        tp = ps.get_tensor_model_parallel_world_size()
+        act = stage_activation_shape(self.micro_batch_size, seq_local, hidden, tp, self.sequence_parallel)
+        dtype = self._activation_dtype()
+        inputs = (meta_like((self.micro_batch_size, seq_local), torch.long, device) if module.is_first
+                  else meta_like(act, dtype, device))
+        outputs = meta_like((1,), torch.float32, device) if module.is_last else meta_like(act, dtype, device)
+        return PipelineStage(module, module.stage_index, self.num_stages, device, input_args=inputs,
+                             output_args=outputs, group=ps.get_pipeline_model_parallel_group())
+
+    def _schedule(self, num_microbatches: int, seq_local: int, device: torch.device) -> Any:
+        key = (num_microbatches, seq_local, str(device), self._activation_dtype())
+        if key not in self._schedules:
+            from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+
+            stages = [self._pipeline_stage(m, seq_local, device) for m in self.stage_modules]
+
+            def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+                return output.sum() / num_microbatches
+
+            if self.virtual_size == 1:
+                schedule = Schedule1F1B(stages[0], num_microbatches, loss_fn=loss_fn,
+                                        **_schedule_kwargs(Schedule1F1B))
+            else:
+                schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn,
+                                                   **_schedule_kwargs(ScheduleInterleaved1F1B))
+            self._schedules[key] = schedule
+        return self._schedules[key]
+
+    # ---- steps ----------------------------------------------------------------------------------------------
+    def _run(self, batch: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        rows, seq_local = input_ids.shape
+        if rows % self.micro_batch_size:
+            raise ValueError(f"pipeline: a batch of {rows} rows is not a whole number of micro-batches of "
+                             f"{self.micro_batch_size} (data.micro_batch_size)")
+        n = rows // self.micro_batch_size
+        if self.virtual_size > 1 and n % self.pp:
+            raise ValueError(f"pipeline: interleaved 1F1B needs num_microbatches ({n}) divisible by "
+                             f"pipeline_model_parallel_size ({self.pp})")
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(seq_local, device=input_ids.device).unsqueeze(0).expand(rows, seq_local)
+        kwargs = {"position_ids": positions.contiguous(), "labels": labels}
+        if batch.get("segment_ids") is not None:
+            kwargs["segment_ids"] = batch["segment_ids"]
+        schedule = self._schedule(n, seq_local, input_ids.device)
+        args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
+        losses: list[torch.Tensor] = []
+        run = schedule.step if train else schedule.eval
+        run(*args, target=labels, losses=losses, **kwargs)
+        local = torch.stack([x.detach().float().reshape(()) for x in losses]).sum() if losses else \
+            torch.zeros((), device=input_ids.device)
+        return collectives.all_reduce(local.reshape(1), ps.get_pipeline_model_parallel_group())[0]
+
+    def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward and backward of every micro-batch of ``batch`` (``[num_microbatches x micro_batch_size, S]``
+        tensors, already CP-sharded); gradients accumulate into the parameters (``.grad`` / ``main_grad``).
+
+        Returns:
+            The mean over micro-batches of the micro-batch losses (fp32 scalar, detached), the same on every
+            pipeline rank. Collective over the PP group.
+
+        Raises:
+            ValueError: rows not a multiple of ``micro_batch_size``, or an interleaved schedule with
+                ``num_microbatches % PP != 0``.
+        """
+        return self._run(batch, train=True)
+
+    @torch.no_grad()
+    def eval_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Forward only (the schedule's ``eval``) over the micro-batches of ``batch``.
+
+        Returns:
+            fp32 ``[2]``: this rank's ``[sum of token losses, number of labelled tokens]`` over the micro-batches
+            (as ``LlamaForCausalLM.loss`` gives them, before any DP / CP reduction), the same on every pipeline
+            rank. Collective over the PP group.
+        """
+        last = [m for m in self.stage_modules if m.is_last]
+        for m in last:
+            m.eval_sums = []
+        try:
+            self._run(batch, train=False)
+            sums = [x for m in last for x in (m.eval_sums or [])]
+        finally:
+            for m in last:
+                m.eval_sums = None
+        local = torch.stack(sums).sum(0) if sums else torch.zeros(2, device=batch["input_ids"].device)
+        return collectives.all_reduce(local, ps.get_pipeline_model_parallel_group())
+
+    def parameters(self) -> list[nn.Parameter]:
+        """Parameters of this rank's stages (those of the rank model)."""
+        return [p for m in self.stage_modules for p in m.parameters()]
+
+
+def build_engine(model: nn.Module, layer_ranges: Sequence[range], *, virtual_size: int, micro_batch_size: int,
+                 sequence_parallel: bool) -> Optional[PipelineEngine]:
+    """A :class:`PipelineEngine` when pipeline parallelism is on (PP > 1), else None."""
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return PipelineEngine(model, layer_ranges, virtual_size=virtual_size, micro_batch_size=micro_batch_size,
+                          sequence_parallel=sequence_parallel)

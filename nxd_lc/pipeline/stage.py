@@ -1,0 +1,110 @@
+"""One pipeline stage of a (plain, pipeline-cut) :class:`~nxd_lc.models.llama.LlamaForCausalLM`.
+
+Shapes: ``B`` micro batch, ``S`` this rank's sequence (``S / cp`` under context parallelism), ``H`` hidden,
+``tp`` TP size. The activation passed between stages is the residual stream ``[B, S(/tp), H]`` (``S/tp`` under
+sequence parallelism), in the parameters' dtype.
+
+    first stage:  forward(input_ids [B, S], position_ids, segment_ids, labels) -> h [B, S(/tp), H]
+    middle stage: forward(h,                position_ids, segment_ids, labels) -> h [B, S(/tp), H]
+    last stage:   forward(h,                position_ids, segment_ids, labels) -> loss [1] fp32
+
+The last stage returns the micro-batch's token-mean loss (under CP this rank's share scaled by CP, see
+:func:`nxd_lc.context.context_parallel_loss`) as a ``[1]`` tensor, so the schedule can stack the per-micro-batch
+values. The model is not rewritten per stage: the stage registers the rank model's own modules (embedding, its
+layers, final norm, lm head), so parameters, checkpoints and the optimizer stay those of the rank model.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from nxd_lc.context import context_parallel_loss
+
+
+class PipelineStageModule(nn.Module):
+    """Stage ``stage_index`` of ``num_stages``: decoder layers ``layer_ids`` of ``model`` (plus the embedding on
+    the first stage and final norm + lm head + loss on the last).
+
+    Args:
+        model: the rank's pipeline-cut ``LlamaForCausalLM`` (built with ``keep_layers`` / ``keep_embedding`` /
+            ``keep_head``); must hold every module this stage needs.
+        layer_ids: decoder-layer indices of this stage, in order.
+        stage_index, num_stages: position of the stage in the pipeline.
+
+    Raises:
+        ValueError: ``model`` lacks a module this stage needs (a layer of another stage, the embedding on the
+            first stage, the head on the last).
+    """
+
+    def __init__(self, model: nn.Module, layer_ids: Sequence[int], stage_index: int, num_stages: int) -> None:
+        super().__init__()
+        self.stage_index, self.num_stages = stage_index, num_stages
+        self.is_first, self.is_last = stage_index == 0, stage_index == num_stages - 1
+        local = dict(model.local_layers())
+        missing = [i for i in layer_ids if i not in local]
+        if missing or (self.is_first and model.embed_tokens is None) or (self.is_last and model.lm_head is None):
+            raise ValueError(f"pipeline stage {stage_index}: the rank model lacks layers {missing} or its "
+                             "embedding / head; build it with the stage's keep_layers / keep_embedding / keep_head")
+        self.layer_ids = list(layer_ids)
+        self.layers = nn.ModuleList(local[i] for i in self.layer_ids)
+        self.embed_tokens = model.embed_tokens if self.is_first else None
+        self.rotary_emb = model.rotary_emb
+        self._model = [model]  # a list: the rank model is not a child (its parameters are not this stage's)
+        #: when a list, the last stage appends ``[loss_sum, num_tokens]`` (fp32 [2]) of each micro-batch (evaluation)
+        self.eval_sums: list[torch.Tensor] | None = None
+
+    @property
+    def model(self) -> nn.Module:
+        """The rank model this stage belongs to."""
+        return self._model[0]
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """See the module docstring; ``labels`` [B, S] (shifted, -100 = no target) is used by the last stage.
+
+        Raises:
+            ValueError: bad shapes (first stage: as ``LlamaForCausalLM.hidden_states``), or no labels on the
+                last stage.
+        """
+        model = self.model
+        if self.is_first:
+            position_ids = model._check_inputs(x, position_ids)
+            model._check_segment_ids(segment_ids, x)
+            h = self.embed_tokens(x)
+        else:
+            h = x
+        if position_ids is None:
+            raise ValueError(f"pipeline stage {self.stage_index}: position_ids are required after the first stage")
+        cos, sin = self.rotary_emb(position_ids)
+        for layer in self.layers:
+            h = layer(h, cos, sin, segment_ids)
+        if not self.is_last:
+            return h
+        if labels is None:
+            raise ValueError("pipeline: the last stage needs the micro-batch's labels")
+        from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
+
+        loss_sum, num_tokens = causal_lm_loss_from_hidden(model, model.head_input(h), labels)
+        if self.eval_sums is not None:
+            self.eval_sums.append(torch.stack([loss_sum.detach().float(), num_tokens.detach().float()]))
+        return context_parallel_loss(loss_sum, num_tokens).reshape(1)
+
+    def extra_repr(self) -> str:
+        return f"stage={self.stage_index}/{self.num_stages}, layers={self.layer_ids[0]}..{self.layer_ids[-1]}"
+
+
+def stage_activation_shape(batch_rows: int, seq_local: int, hidden: int, tp: int,
+                           sequence_parallel: bool) -> tuple[int, ...]:
+    """Shape of the activation sent between stages: ``[B, S/tp, H]`` under sequence parallelism, else
+    ``[B, S, H]`` (``S`` = this rank's sequence after the CP split)."""
+    return (batch_rows, seq_local // tp if sequence_parallel else seq_local, hidden)
+
+
+def meta_like(shape: Sequence[int], dtype: torch.dtype, device: Any) -> torch.Tensor:
+    """An uninitialised tensor of ``shape`` / ``dtype`` on ``device``: a shape/dtype template for
+    ``PipelineStage``. Floating templates require grad (activations whose gradients travel back between stages;
+    torch's pipelining derives the gradient buffers from that flag)."""
+    return torch.empty(tuple(shape), dtype=dtype, device=device, requires_grad=dtype.is_floating_point)
