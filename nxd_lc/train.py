@@ -19,6 +19,7 @@ from typing import Any, Mapping, Optional
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
+from nxd_lc.config.peft_schema import PEFT_KEY
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import (
     ConfigError,
@@ -26,6 +27,7 @@ from nxd_lc.config.validate import (
     data_parallel_size,
     load_config,
     path_problems,
+    peft_config,
     resolve_path,
     seq_length,
     unsupported_features,
@@ -108,47 +110,44 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     if checkpointed:
         log.info("activation checkpointing (%s): %d modules recomputed in backward",
                  m.activations_checkpoint_granularity, len(checkpointed))
-    if m.peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
-        _apply_peft(model, m.peft)
+    peft = peft_config(cfg)
+    if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
+        _apply_peft(model, peft)
     return hf_config, model
 
 
 def _apply_peft(model: Any, peft: Any) -> None:
-    """Wrap ``model.peft.target_modules`` with LoRA adapters (only they train); load saved adapters if asked."""
-    import torch
-
-    from nxd_lc.layers.lora import apply_lora, load_lora_state_dict
+    """Wrap ``model_alignment_strategy.peft.target_modules`` with LoRA adapters (only they train); load saved
+    adapters if asked (:func:`nxd_lc.alignment.lora_files.load_adapters`)."""
+    from nxd_lc.alignment.lora_files import load_adapters
+    from nxd_lc.layers.lora import apply_lora
 
     wrapped = apply_lora(model, peft)
     log.info("LoRA rank %d alpha %g on %d modules (%s); %d trainable parameters on this rank", peft.lora_rank,
              peft.lora_alpha, len(wrapped), ", ".join(sorted(peft.target_modules)),
              sum(p.numel() for p in model.parameters() if p.requires_grad))
+    if peft.lora_verbose:
+        log.info("LoRA adapters on: %s", ", ".join(wrapped))
     if peft.load_lora_from_ckpt:
         if not peft.lora_ckpt_path:
-            raise ValueError("model.peft.load_lora_from_ckpt: set model.peft.lora_ckpt_path to an adapter file")
-        state = torch.load(resolve_path(peft.lora_ckpt_path), map_location="cpu", weights_only=True)
-        load_lora_state_dict(model, state, full=True)
+            raise ValueError(f"{PEFT_KEY}.load_lora_from_ckpt: set {PEFT_KEY}.lora_ckpt_path to an adapter file")
+        load_adapters(model, peft, resolve_path(peft.lora_ckpt_path))
 
 
 def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) -> None:
-    """End of a LoRA run: ``<log_dir>/lora/adapters.pt`` (full, TP-independent adapters; load with
-    ``model.peft.load_lora_from_ckpt``), and with ``model.peft.merge_lora`` the merged model as an HF directory
-    ``<log_dir>/hf_merged`` (adapters folded into the base weights, plus the tokenizer when it is an HF dir).
-    Collective over TP (every rank calls it); rank 0 writes, atomically (temp name + rename)."""
-    import torch
-
+    """End of a LoRA run: the adapters under ``<log_dir>/lora/`` (``adapters.pt``, full and TP-independent, or
+    per-rank shards with ``merge_sharded_lora: false``; load with ``load_lora_from_ckpt``; see
+    :mod:`nxd_lc.alignment.lora_files`), and with ``model_alignment_strategy.peft.merge_lora`` the merged model as
+    an HF directory ``<log_dir>/hf_merged`` (adapters folded into the base weights, plus the tokenizer when it is
+    an HF dir). Collective over TP (every rank calls it); files are written atomically (temp name + rename)."""
+    from nxd_lc.alignment.lora_files import save_adapters
     from nxd_lc.distributed import collectives
-    from nxd_lc.layers.lora import lora_state_dict, merge_lora
+    from nxd_lc.layers.lora import merge_lora
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
-    adapters = lora_state_dict(model, full=True)
-    if is_rank0:
-        os.makedirs(os.path.join(log_dir, "lora"), exist_ok=True)
-        path = os.path.join(log_dir, "lora", "adapters.pt")
-        torch.save(adapters, path + ".tmp")
-        os.replace(path + ".tmp", path)
-        log.info("LoRA adapters saved: %s", path)
-    if cfg.model.peft.merge_lora:
+    peft = peft_config(cfg)
+    save_adapters(model, peft, os.path.join(log_dir, "lora"), is_rank0)
+    if peft.merge_lora:
         merge_lora(model)
         out = os.path.join(log_dir, "hf_merged")
         save_hf_weights(model, out)  # collective; rank 0 writes
@@ -246,7 +245,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
-    if cfg.model.peft is not None and not cfg.prewarm:
+    if peft_config(cfg) is not None and not cfg.prewarm:
         save_lora_outputs(cfg, model, paths.log_dir, runtime.rank == 0)
     return trainer
 

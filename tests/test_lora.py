@@ -1,4 +1,4 @@
-"""LoRA on the tensor-parallel layers (nxd_lc.layers.lora) and the ``model.peft`` schema.
+"""LoRA on the tensor-parallel layers (nxd_lc.layers.lora) and the ``model_alignment_strategy.peft`` schema.
 
 A tiny Llama (vocab 64, 4 query heads, 2 or 1 KV heads, 2 layers) is built from one seed; with
 ``use_cpu_initialization`` every TP size holds slices of the same full weights, and ``apply_lora`` after a fixed
@@ -167,10 +167,10 @@ def test_apply_lora_wraps_freezes_and_starts_from_base() -> None:
 
 def test_bad_config_and_targets_raise() -> None:
     model = LlamaForCausalLM(_config())
-    with pytest.raises(ValueError, match=r"model\.peft\.target_modules: unknown module name\(s\) \['q_proj'\]; "
-                                         r"valid names: qkv_proj, o_proj, gate_up_proj, down_proj"):
+    with pytest.raises(ValueError, match=r"model_alignment_strategy\.peft\.target_modules: unknown module name\(s\) "
+                                         r"\['q_proj'\]; valid names: qkv_proj, o_proj, gate_up_proj, down_proj"):
         apply_lora(model, _peft(["q_proj"]))
-    with pytest.raises(ValueError, match=r"model\.peft\.lora_rank: must be an integer >= 1"):
+    with pytest.raises(ValueError, match=r"model_alignment_strategy\.peft\.lora_rank: must be an integer >= 1"):
         apply_lora(model, PeftConfig(lora_rank=0))
     assert all(p.requires_grad for p in model.parameters())  # nothing changed by a rejected call
     apply_lora(model, _peft(["o_proj"]))
@@ -178,9 +178,9 @@ def test_bad_config_and_targets_raise() -> None:
         apply_lora(model, _peft(["o_proj"]))
     problems = peft_problems(PeftConfig(lora_alpha=0, lora_dropout=1.0, lora_bias="all", target_modules=[],
                                         load_lora_from_ckpt=True))
-    keys = [p.split(":")[0] for p in problems]
-    assert keys == ["model.peft.lora_alpha", "model.peft.lora_dropout", "model.peft.lora_bias",
-                    "model.peft.target_modules", "model.peft.lora_ckpt_path"]
+    keys = [p.split(":")[0].removeprefix("model_alignment_strategy.peft.") for p in problems]
+    assert keys == ["lora_alpha", "lora_dropout", "lora_bias", "target_modules", "lora_ckpt_path"]
+    assert all(p.startswith("model_alignment_strategy.peft.") for p in problems)
     assert peft_problems(PeftConfig()) == [] and peft_problems(None) == []
     assert "listed more than once" in peft_problems(PeftConfig(target_modules=["o_proj", "o_proj"]))[0]
 

@@ -219,7 +219,7 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
 def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_rank: int,
                      use_xser: bool | None = None, adapters_only: bool = False) -> None:
     """Copy this TP rank's model shard of ``<ckpt_root>/<tag>`` into ``model`` (strict: every parameter; with
-    ``adapters_only`` every LoRA adapter, the checkpoint of ``model.peft.save_lora_base: false``).
+    ``adapters_only`` every LoRA adapter, the checkpoint of ``model_alignment_strategy.peft.save_lora_base: false``).
 
     Raises:
         FileNotFoundError: see :func:`nxd_lc.checkpoint.sharded.load_checkpoint`.
@@ -310,6 +310,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
             shard that does not fit the config's model.
     """
+    from nxd_lc.config.validate import peft_config
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
@@ -328,7 +329,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
                          f"{tag_dir} has TP size {tp}")
     try:
         rank0 = collectives.get_global_rank() == 0
-        peft = cfg.model.peft
+        peft = peft_config(cfg)
         lora_only = peft is not None and not peft.save_lora_base  # base weights from model.hf_weights_dir
         model = build_model(cfg, load_weights=lora_only)
         load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser,

@@ -23,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, List, Optional
 
+from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig
+
 TRUNCATION_MODES = ("keep_start", "keep_end")
 #: ``data.tokenizer.chat_template`` value that selects the tokenizer's own template.
 DEFAULT_CHAT_TEMPLATE = "default"
@@ -61,11 +63,12 @@ class ORPOConfig:
 
 @dataclass
 class ModelAlignmentStrategyConfig:
-    """``model_alignment_strategy:`` — exactly one of ``sft``, ``dpo``, ``orpo`` (NxDT layout)."""
+    """``model_alignment_strategy:`` — exactly one of ``sft``, ``dpo``, ``orpo``, optionally LoRA (NxDT layout)."""
 
     sft: Optional[SFTConfig] = None  # supervised fine-tuning
     dpo: Optional[DPOConfig] = None  # direct preference optimization
     orpo: Optional[ORPOConfig] = None  # odds ratio preference optimization
+    peft: Optional[PeftConfig] = None  # LoRA adapters on the TP projections (null: full fine-tuning)
 
     @property
     def algorithm(self) -> str:
@@ -75,6 +78,10 @@ class ModelAlignmentStrategyConfig:
             ValueError: none or several are set (names ``model_alignment_strategy``).
         """
         chosen = [name for name in ("sft", "dpo", "orpo") if getattr(self, name) is not None]
+        if not chosen and self.peft is not None:
+            raise ValueError(f"{PEFT_KEY}: LoRA trains with an alignment algorithm; set one of sft, dpo, orpo beside "
+                             f"it (e.g. 'model_alignment_strategy: {{sft: {{packing: true}}, peft: {{...}}}}'); "
+                             "pretraining with LoRA is not supported")
         if len(chosen) != 1:
             raise ValueError(f"model_alignment_strategy: exactly one of sft, dpo, orpo must be set, got "
                              f"{chosen or 'none'}; e.g. 'model_alignment_strategy: {{sft: {{packing: true}}}}'")

@@ -1,12 +1,15 @@
-"""``model.peft:`` — LoRA fine-tuning settings (NxDT / NxD ``LoraConfig`` key names).
+"""``model_alignment_strategy.peft:`` — LoRA fine-tuning settings (NxDT / NxD ``LoraConfig`` key names).
 
 LoRA (Hu et al. 2021, arXiv:2106.09685) adds a trainable low-rank update to a frozen linear layer,
 ``y = W x + (lora_alpha / lora_rank) * B A dropout(x)``, with ``A [r, in]`` Kaiming-uniform and ``B [out, r]``
 zero at the start (so training starts from the base model). nxd_lc applies it to the tensor-parallel
-projections named in ``target_modules`` (see :mod:`nxd_lc.layers.lora`); ``model.peft: null`` disables LoRA.
+projections named in ``target_modules`` (see :mod:`nxd_lc.layers.lora`); no ``peft`` section: no LoRA.
+NxDT puts the section beside the alignment algorithm (``model_alignment_strategy: {sft: ..., peft: ...}``, its
+``hf_llama3_8B_SFT_lora_config.yaml``); nxd_lc's earlier place ``model.peft`` is still read as that key.
 
 NxDT's keys (``lora_rank``, ``lora_alpha``, ``lora_dropout``, ``lora_bias``, ``target_modules``,
-``load_lora_from_ckpt``, ``save_lora_base``, ``merge_lora``) keep their names. This module holds no torch code:
+``load_lora_from_ckpt``, ``save_lora_base``, ``merge_lora``, ``lora_verbose``, ``save_lora_config_adapter``,
+``merge_sharded_lora``) keep their names. This module holds no torch code:
 the schema imports it, and :func:`peft_problems` lists every invalid value at once for ``validate.py``.
 """
 
@@ -25,7 +28,7 @@ LORA_BIAS_CHOICES: tuple[str, ...] = ("none",)
 
 @dataclass
 class PeftConfig:
-    """``model.peft:`` — LoRA adapters on the TP projections; only the adapters are trained."""
+    """``model_alignment_strategy.peft:`` — LoRA adapters on the TP projections; only the adapters are trained."""
 
     lora_rank: int = 16  # r: inner dim of the adapters A [r, in] and B [out, r]
     lora_alpha: float = 32.0  # scaling numerator: the update is (lora_alpha / lora_rank) * B @ A
@@ -35,11 +38,18 @@ class PeftConfig:
     merge_lora: bool = False  # at the end of training fold B @ A into the base weights and save the merged model
     save_lora_base: bool = False  # checkpoints hold base weights too (true) or the adapters alone (false)
     load_lora_from_ckpt: bool = False  # load adapters from lora_ckpt_path after wrapping (resume / continue)
-    lora_ckpt_path: Optional[str] = None  # adapter file written by an adapter-only save; needs load_lora_from_ckpt
+    lora_ckpt_path: Optional[str] = None  # lora/adapters.pt of a run, or its lora/ dir of shard files
+    lora_verbose: bool = False  # also log the name of every module that gets adapters (NxD)
+    save_lora_config_adapter: bool = True  # adapter file holds these settings; false: adapter_config.json beside
+    merge_sharded_lora: bool = True  # one adapter file gathered over TP; false: one shard file per TP/PP rank
 
 
-def peft_problems(peft: Optional[PeftConfig], prefix: str = "model.peft") -> list[str]:
-    """Every invalid value of a ``model.peft`` section (empty list when valid or when ``peft`` is None).
+#: The canonical dotted key of the LoRA section (named in messages).
+PEFT_KEY = "model_alignment_strategy.peft"
+
+
+def peft_problems(peft: Optional[PeftConfig], prefix: str = PEFT_KEY) -> list[str]:
+    """Every invalid value of a ``model_alignment_strategy.peft`` section (empty when valid or ``peft`` is None).
 
     Each message names the key (``prefix.<key>``) and the fix. Checks: ``lora_rank >= 1``,
     ``lora_alpha > 0``, ``0 <= lora_dropout < 1``, ``lora_bias`` in :data:`LORA_BIAS_CHOICES`,
@@ -66,7 +76,7 @@ def peft_problems(peft: Optional[PeftConfig], prefix: str = "model.peft") -> lis
     return p
 
 
-def target_module_problems(target_modules: object, key: str = "model.peft.target_modules") -> list[str]:
+def target_module_problems(target_modules: object, key: str = f"{PEFT_KEY}.target_modules") -> list[str]:
     """Problems of a ``target_modules`` list: not a list of names, empty, duplicates or unknown names."""
     valid = ", ".join(LORA_TARGET_MODULES)
     if isinstance(target_modules, str) or not isinstance(target_modules, (list, tuple)):

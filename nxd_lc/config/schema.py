@@ -17,7 +17,6 @@ from typing import Any, Dict, List, Optional
 from hydra.core.config_store import ConfigStore
 
 from nxd_lc.config.alignment_schema import ALIGNMENT_KEY_ALIASES, ModelAlignmentStrategyConfig
-from nxd_lc.config.peft_schema import PeftConfig
 
 
 @dataclass
@@ -198,7 +197,6 @@ class ModelConfig:
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
     optim: OptimConfig = field(default_factory=OptimConfig)
-    peft: Optional[PeftConfig] = None  # LoRA adapters on the TP projections (null: full fine-tuning)
 
 
 @dataclass
@@ -244,6 +242,11 @@ KEY_ALIASES: tuple[tuple[str, str], ...] = (
     *ALIGNMENT_KEY_ALIASES,
 )
 
+
+#: Keys nxd_lc read at an earlier place, as (dotted old place, dotted canonical key in another section).
+MOVED_KEYS: tuple[tuple[str, str], ...] = (
+    ("model.peft", "model_alignment_strategy.peft"),  # NxDT puts LoRA beside sft / dpo / orpo
+)
 
 def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore as ``nxd_lc_schema`` (usable in a defaults list)."""

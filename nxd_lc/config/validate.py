@@ -21,9 +21,9 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nxd_lc.config.alignment_schema import validate_alignment
-from nxd_lc.config.peft_schema import peft_problems
+from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig, peft_problems
 from nxd_lc.config.resolvers import register_resolvers
-from nxd_lc.config.schema import KEY_ALIASES, NxdConfig
+from nxd_lc.config.schema import KEY_ALIASES, MOVED_KEYS, NxdConfig
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def _fields(cls: type) -> dict[str, dataclasses.Field]:
 
 def _nested_type(cls: type, name: str) -> type | None:
     """The dataclass type of field ``name`` of ``cls`` if it is a nested section (also an optional one,
-    ``Optional[Section] = None`` such as ``model.peft``), else None."""
+    ``Optional[Section] = None`` such as ``model_alignment_strategy.peft``), else None."""
     default = _fields(cls)[name].default_factory  # type: ignore[misc]
     if default is not dataclasses.MISSING:
         value = default()
@@ -147,7 +147,30 @@ def _parent(data: dict[str, Any], dotted: str) -> tuple[dict[str, Any] | None, s
     return (node if isinstance(node, dict) else None), leaf
 
 
+def _move_keys(data: dict[str, Any], problems: list[str]) -> None:
+    """Move each key of :data:`MOVED_KEYS` from its old place to its canonical one (a null there is dropped)."""
+    for old, canonical in MOVED_KEYS:
+        node, leaf = _parent(data, old)
+        if node is None or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        if value is None:
+            continue
+        *path, target = canonical.split(".")
+        parent: Any = data
+        for part in path:
+            if not isinstance(parent.get(part), dict):
+                parent[part] = {}
+            parent = parent[part]
+        if parent.get(target) is not None:
+            problems.append(f"{old}: also given as '{canonical}' (its canonical place); give only one of them")
+            continue
+        log.info("config: '%s' is read as '%s'", old, canonical)
+        parent[target] = value
+
+
 def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
+    _move_keys(data, problems)
     for alias, canonical in KEY_ALIASES:
         node, leaf = _parent(data, alias)
         target = canonical.rsplit(".", 1)[-1]
@@ -229,6 +252,11 @@ def read_model_json(cfg: NxdConfig) -> dict[str, Any] | None:
 def seq_length(cfg: NxdConfig) -> int | None:
     """The training sequence length: ``data.seq_length``, else ``model.encoder_seq_length``."""
     return cfg.data.seq_length if cfg.data.seq_length is not None else cfg.model.encoder_seq_length
+
+
+def peft_config(cfg: NxdConfig) -> PeftConfig | None:
+    """The LoRA settings, ``model_alignment_strategy.peft`` (None: no LoRA)."""
+    return None if cfg.model_alignment_strategy is None else cfg.model_alignment_strategy.peft
 
 
 def data_parallel_size(cfg: NxdConfig) -> int:
@@ -425,18 +453,18 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
 
 
 def _alignment_problems(cfg: NxdConfig) -> list[str]:
-    """``model_alignment_strategy`` / alignment ``data.*`` keys and ``model.peft`` (LoRA)."""
-    p = validate_alignment(cfg.model_alignment_strategy, cfg.data, seq_length(cfg)) + peft_problems(cfg.model.peft)
+    """``model_alignment_strategy`` (with its ``peft``: LoRA) and the alignment ``data.*`` keys."""
+    peft = peft_config(cfg)
+    p = validate_alignment(cfg.model_alignment_strategy, cfg.data, seq_length(cfg)) + peft_problems(peft)
     strategy = cfg.model_alignment_strategy
     if strategy is not None and (strategy.dpo is not None or strategy.orpo is not None):
         if cfg.model.tiled_loss_chunk_size:
             p.append("model.tiled_loss_chunk_size: DPO / ORPO compute sequence log-probs, not the tiled causal-LM "
                      "loss; unset it")
-    peft = cfg.model.peft
     if peft is not None and cfg.model.tiled_mlp_chunk_size and {"gate_up_proj", "down_proj"} & set(
             peft.target_modules or []):
         p.append("model.tiled_mlp_chunk_size: the tiled MLP reads the base weights and would skip LoRA adapters on "
-                 "gate_up_proj / down_proj; unset it or drop those from model.peft.target_modules")
+                 f"gate_up_proj / down_proj; unset it or drop those from {PEFT_KEY}.target_modules")
     return p
 
 

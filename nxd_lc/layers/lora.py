@@ -54,7 +54,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from nxd_lc.config.peft_schema import PeftConfig, peft_problems, target_module_problems
+from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig, peft_problems, target_module_problems
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
@@ -354,7 +354,7 @@ def convert_to_lora(module: nn.Module, cfg: PeftConfig) -> nn.Module:
 
 
 # ---- whole-model API --------------------------------------------------------------------------------------------
-_TARGET_KEY = "model.peft.target_modules"
+_TARGET_KEY = f"{PEFT_KEY}.target_modules"
 #: target name -> module leaf names it covers (``qkv_proj`` also covers model.qkv_linear: false's q/k/v_proj)
 _LEAF_NAMES = {"qkv_proj": ("qkv_proj", "q_proj", "k_proj", "v_proj"), "o_proj": ("o_proj",),
                "gate_up_proj": ("gate_up_proj",), "down_proj": ("down_proj",)}
@@ -366,7 +366,7 @@ def _reject_tiled_mlp(mlp: nn.Module, args: tuple) -> None:
     if getattr(mlp, "tiled_chunk_size", None) is not None:
         raise ValueError("model.tiled_mlp_chunk_size: the tiled MLP computes with the raw gate_up_proj/down_proj "
                          "weights and would skip their LoRA adapters; set it to null or remove gate_up_proj and "
-                         "down_proj from model.peft.target_modules")
+                         f"down_proj from {_TARGET_KEY}")
 
 
 def _find_targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str, nn.Module]]:
@@ -400,16 +400,17 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig) -> list[str]:
 
     Args:
         model: e.g. :class:`nxd_lc.models.llama.LlamaForCausalLM`, any TP size / SP / ``kv_replicator``.
-        peft_cfg: ``model.peft`` (:class:`nxd_lc.config.peft_schema.PeftConfig`): ``lora_rank``, ``lora_alpha``,
-            ``lora_dropout``, ``target_modules`` (subset of qkv_proj, o_proj, gate_up_proj, down_proj).
+        peft_cfg: ``model_alignment_strategy.peft`` (:class:`nxd_lc.config.peft_schema.PeftConfig`): ``lora_rank``,
+            ``lora_alpha``, ``lora_dropout``, ``target_modules`` (subset of qkv_proj, o_proj, gate_up_proj,
+            down_proj).
 
     Returns:
         Qualified names of the modules that now carry adapters, in ``named_modules`` order.
 
     Raises:
-        ValueError: invalid ``peft_cfg`` values (every problem, each naming its ``model.peft`` key), a target name
-            that is unknown or matches no module (naming ``model.peft.target_modules`` and the valid names),
-            adapters already present, or gate_up_proj / down_proj targeted while the MLP is tiled.
+        ValueError: invalid ``peft_cfg`` values (every problem, each naming its ``model_alignment_strategy.peft``
+            key), a target name that is unknown or matches no module (naming its ``target_modules`` and the valid
+            names), adapters already present, or gate_up_proj / down_proj targeted while the MLP is tiled.
     """
     problems = peft_problems(peft_cfg)
     if problems:
@@ -500,7 +501,7 @@ def load_lora_state_dict(model: nn.Module, state_dict: dict[str, torch.Tensor], 
     missing, unexpected = sorted(expected - set(state_dict)), sorted(set(state_dict) - expected)
     if missing or unexpected:
         raise ValueError(f"load_lora_state_dict: missing keys {missing[:8]}, unexpected keys {unexpected[:8]} "
-                         f"({len(missing)} / {len(unexpected)} in all); check model.peft.target_modules")
+                         f"({len(missing)} / {len(unexpected)} in all); check {_TARGET_KEY}")
     for name, m in modules.items():
         a, b = state_dict[f"{name}.lora_A"], state_dict[f"{name}.lora_B"]
         if full:

@@ -40,8 +40,8 @@ class NxDStrategy(DDPStrategy):
             writes and reads its own ``optim/dp_rank_<r>_...`` file, ``r`` its rank in the DP x CP group.
         use_master_weights_in_ckpt: write the optimizer's fp32 master weights as the model weights
             (``exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt``; needs master weights).
-        lora_only: model shards hold the LoRA adapters alone (``model.peft`` with ``save_lora_base: false``); the
-            frozen base weights come from ``model.hf_weights_dir`` on resume.
+        lora_only: model shards hold the LoRA adapters alone (``model_alignment_strategy.peft.save_lora_base:
+            false``); the frozen base weights come from ``model.hf_weights_dir`` on resume.
         ckpt_ptl_version: ``exp_manager.ckpt_ptl_version``: the Lightning version of a loaded checkpoint that
             records none (:func:`nxd_lc.lightning.ckpt_version.apply_ckpt_ptl_version`).
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).

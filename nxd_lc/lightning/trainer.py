@@ -7,7 +7,7 @@ from typing import Any
 import pytorch_lightning as pl
 
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import data_parallel_size, seq_length
+from nxd_lc.config.validate import data_parallel_size, peft_config, seq_length
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.strategy import NxDStrategy
@@ -27,7 +27,7 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                 use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
                 zero1=cfg.distributed_strategy.zero1, ckpt_ptl_version=em.ckpt_ptl_version,
-                lora_only=cfg.model.peft is not None and not cfg.model.peft.save_lora_base)
+                lora_only=peft_config(cfg) is not None and not peft_config(cfg).save_lora_base)
     autocast = resolve_precision(cfg).autocast_dtype is not None
     if is_xla_accelerator(runtime.accelerator):
         from nxd_lc.lightning.xla import NxDXLAAccelerator, NxDXLAPrecision, NxDXLAStrategy
