@@ -6,6 +6,10 @@ otherwise; callers never branch on versions themselves (DESIGN.md principle 10).
 * :func:`all_to_all` — gloo gained ``alltoall`` after torch 2.9 (torch 2.9's gloo raises
   ``RuntimeError: Backend gloo does not support alltoall``); the fallback exchanges the chunks with
   point-to-point ``batch_isend_irecv`` (which gloo has had throughout).
+* :func:`pipeline_stage_class` — torch 2.9's ``PipelineStage`` opens its neighbour connections with a float32
+  receive buffer but an int64 send tensor (8 vs 4 bytes): NCCL does not notice, gloo aborts the process
+  (``op.preamble.length <= op.nbytes``). Later torch sends float32 (upstream fix); on torch < 2.10 a subclass
+  builds the same warm-up operations with the upstream fix.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_to_all"]
+__all__ = ["all_to_all", "pipeline_stage_class"]
 
 # Backends found (at run time) to lack a native all_to_all; filled on the first failure.
 _NO_NATIVE_ALL_TO_ALL: set[str] = set()
@@ -55,3 +59,37 @@ def all_to_all(outputs: list[torch.Tensor], inputs: list[torch.Tensor], group: d
                 raise
             _NO_NATIVE_ALL_TO_ALL.add(backend)
     _p2p_all_to_all(outputs, inputs, group)
+
+
+def _torch_before(major: int, minor: int) -> bool:
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    return version < (major, minor)
+
+
+def pipeline_stage_class() -> type:
+    """``torch.distributed.pipelining.PipelineStage``, or on torch < 2.10 a subclass whose neighbour warm-up
+    sends a float32 tensor, matching the float32 receive buffer (the upstream fix; see the module docstring)."""
+    from torch.distributed.pipelining import PipelineStage
+
+    if not _torch_before(2, 10):
+        return PipelineStage
+
+    class _PipelineStage(PipelineStage):  # type: ignore[misc, valid-type]
+        """PipelineStage with torch >= 2.10's dtype-consistent neighbour warm-up (gloo-safe)."""
+
+        def _get_init_p2p_neighbors_ops(self) -> list[dist.P2POp]:
+            ops: list[dist.P2POp] = []
+            ranks = self.stage_index_to_group_rank
+            recv = torch.zeros(1, device=self.device, dtype=torch.float32)
+            send = torch.tensor(self.stage_index, device=self.device, dtype=torch.float32)
+            if not self.is_first:  # forward from the previous stage, backward to it
+                ops.append(dist.P2POp(dist.irecv, recv, group_peer=ranks[self.stage_index - 1], group=self.group))
+            if not self.is_last:
+                ops.append(dist.P2POp(dist.isend, send, group_peer=ranks[self.stage_index + 1], group=self.group))
+            if not self.is_first:
+                ops.append(dist.P2POp(dist.isend, send, group_peer=ranks[self.stage_index - 1], group=self.group))
+            if not self.is_last:
+                ops.append(dist.P2POp(dist.irecv, recv, group_peer=ranks[self.stage_index + 1], group=self.group))
+            return ops
+
+    return _PipelineStage

@@ -103,7 +103,7 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
                              fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
                              flash_attention=m.fusions.flash_attention,
-                             use_cpu_initialization=m.use_cpu_initialization)
+                             use_cpu_initialization=m.use_cpu_initialization, **_pipeline_part(cfg, hf_config))
     if m.hf_weights_dir:
         load_hf_weights(model, resolve_path(m.hf_weights_dir))
     checkpointed = apply_memory_techniques(model, m)
@@ -114,6 +114,20 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)
     return hf_config, model
+
+
+def _pipeline_part(cfg: NxdConfig, hf_config: Any) -> dict[str, Any]:
+    """This rank's share of the model under pipeline parallelism (``keep_layers`` / ``keep_embedding`` /
+    ``keep_head``, :func:`nxd_lc.pipeline.rank_model_part`); empty at PP 1 (the whole model)."""
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.pipeline import rank_model_part
+
+    ds = cfg.distributed_strategy
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return {}
+    return rank_model_part(hf_config.num_hidden_layers, ps.get_pipeline_model_parallel_world_size(),
+                           ps.get_pipeline_model_parallel_rank(), ds.virtual_pipeline_model_parallel_size,
+                           cfg.model.pipeline_cuts)
 
 
 def _apply_peft(model: Any, peft: Any) -> None:
@@ -259,10 +273,16 @@ def _data_module(cfg: NxdConfig, vocab_size: int) -> Any:
                   data_parallel_rank=ps.get_data_parallel_rank(),
                   data_parallel_size=ps.get_data_parallel_world_size(), global_batch_size=cfg.data.global_batch_size)
     if cfg.model_alignment_strategy is None:
-        return PretrainingDataModule(cfg.data, **kwargs)
-    from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule
+        data = PretrainingDataModule(cfg.data, **kwargs)
+    else:
+        from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule
 
-    return ModelAlignmentDataModule(cfg.data, cfg.model_alignment_strategy, **kwargs)
+        data = ModelAlignmentDataModule(cfg.data, cfg.model_alignment_strategy, **kwargs)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # one batch = all micro-batches of a step (schedule)
+        from nxd_lc.lightning.trainer import num_microbatches
+
+        data.micro_batches_per_batch = num_microbatches(cfg)
+    return data
 
 
 def _lightning_module(cfg: NxdConfig, model: Any, data: Any) -> Any:

@@ -83,8 +83,8 @@ class DistributedStrategyConfig:
     """``distributed_strategy:`` — parallel layout; rank order is NxD's [PP, DP, CP, TP]."""
 
     tensor_model_parallel_size: int = 1  # TP degree
-    pipeline_model_parallel_size: int = 1  # PP degree (pipeline issue; must be 1 now)
-    virtual_pipeline_model_parallel_size: int = 1  # interleaved PP chunks (must be 1 now)
+    pipeline_model_parallel_size: int = 1  # PP degree: pipeline stages (1F1B on torch.distributed.pipelining)
+    virtual_pipeline_model_parallel_size: int = 1  # stages per pipeline rank (>1: interleaved 1F1B)
     context_parallel_size: int = 1  # CP degree (long-context issue; must be 1 now)
     zero1: bool = False  # shard optimizer state and master weights over DP x CP (ZeRO-1)
     sequence_parallel: bool = False  # split activations outside the TP region along the sequence
@@ -193,6 +193,7 @@ class ModelConfig:
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
     activations_checkpoint_recompute: Optional[List[str]] = None  # module class names recomputed with 'selective'
+    pipeline_cuts: Optional[List[str]] = None  # last layer of each pipeline stage but the last, e.g. [model.layers.18]
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
@@ -242,11 +243,11 @@ KEY_ALIASES: tuple[tuple[str, str], ...] = (
     *ALIGNMENT_KEY_ALIASES,
 )
 
-
 #: Keys nxd_lc read at an earlier place, as (dotted old place, dotted canonical key in another section).
 MOVED_KEYS: tuple[tuple[str, str], ...] = (
     ("model.peft", "model_alignment_strategy.peft"),  # NxDT puts LoRA beside sft / dpo / orpo
 )
+
 
 def register_configs() -> None:
     """Register the schema in Hydra's ConfigStore as ``nxd_lc_schema`` (usable in a defaults list)."""

@@ -516,11 +516,37 @@ def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
     return []
 
 
+def _pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
+    """Pipeline rules (NxD): a valid stage split; V > 1 needs PP > 1 and ``num_microbatches % PP == 0``."""
+    from nxd_lc.pipeline.split import split_problems
+
+    ds, d = cfg.distributed_strategy, cfg.data
+    pp, vpp = ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size
+    p: list[str] = []
+    if pp < 1 or vpp < 1:
+        return p
+    if vpp > 1 and pp == 1:
+        p.append(f"distributed_strategy.virtual_pipeline_model_parallel_size: {vpp} needs "
+                 "pipeline_model_parallel_size > 1; set it to 1 or raise pipeline_model_parallel_size")
+    dp = data_parallel_size(cfg)
+    if vpp > 1 and pp > 1 and d.micro_batch_size > 0 and d.global_batch_size % (d.micro_batch_size * dp) == 0:
+        n = d.global_batch_size // (d.micro_batch_size * dp)
+        if n % pp:
+            p.append(f"data.global_batch_size: interleaved pipeline (virtual_pipeline_model_parallel_size {vpp}) "
+                     f"needs num_microbatches = global_batch_size / (micro_batch_size x DP) = {n} divisible by "
+                     f"pipeline_model_parallel_size {pp}; change global_batch_size or the parallel sizes")
+    layers = cfg.model.num_layers if cfg.model.num_layers not in (None, -1) else (hf or {}).get("num_hidden_layers")
+    if isinstance(layers, int) and layers > 0:
+        p += split_problems(layers, pp, vpp, cfg.model.pipeline_cuts)
+    return p
+
+
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
     hf = read_model_json(cfg)  # read once; both head and CP rules need it
     return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg, hf)
             + _context_parallel_problems(cfg, hf) + _memory_problems(cfg) + _choice_problems(cfg)
+            + _pipeline_problems(cfg, hf)
             + _checkpoint_problems(cfg))
 
 
@@ -554,10 +580,10 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
     ds, m, em = cfg.distributed_strategy, cfg.model, cfg.exp_manager
     checks: list[tuple[bool, str, Any]] = [
         (cfg.model_source != "hf", "model_source", cfg.model_source),
-        (ds.pipeline_model_parallel_size != 1, "distributed_strategy.pipeline_model_parallel_size",
+        (ds.pipeline_model_parallel_size > 1 and cfg.model_alignment_strategy is not None
+         and cfg.model_alignment_strategy.sft is None,
+         "distributed_strategy.pipeline_model_parallel_size (with model_alignment_strategy dpo / orpo)",
          ds.pipeline_model_parallel_size),
-        (ds.virtual_pipeline_model_parallel_size != 1, "distributed_strategy.virtual_pipeline_model_parallel_size",
-         ds.virtual_pipeline_model_parallel_size),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
         (cfg.trainer.sequential_move_factor is not None, "trainer.sequential_move_factor",

@@ -57,7 +57,6 @@ from nxd_lc.data.alignment_packing import (
     prepare_sft_example,
 )
 from nxd_lc.data.datamodule import PretrainingDataModule
-from nxd_lc.data.sampler import PretrainingSampler
 from nxd_lc.data.tokenizer import BYTELEVEL_BPE, check_vocab, load_tokenizer
 
 if TYPE_CHECKING:
@@ -368,7 +367,7 @@ class ModelAlignmentDataModule(PretrainingDataModule):
         return PreferenceDataset(pairs, self.seq_length, self.pad_token_id), lengths, [[i] for i in
                                                                                        range(len(lengths))]
 
-    def _loader(self, dataset: torch.utils.data.Dataset | None, sampler: PretrainingSampler) -> DataLoader:
+    def _loader(self, dataset: torch.utils.data.Dataset | None, sampler: Any) -> DataLoader:
         collate = collate_rows if self.algorithm == "sft" else collate_pairs
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers, collate_fn=collate,
                           persistent_workers=False)

@@ -37,7 +37,7 @@ from nxd_lc.data.packing import (
     mask_document_end_labels,
     packed_document_ids,
 )
-from nxd_lc.data.sampler import PretrainingSampler
+from nxd_lc.data.sampler import GroupedBatchSampler, PretrainingSampler
 from nxd_lc.data.sources import DocumentSource, builtin_source, iter_documents, resolve_source, split_source
 from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, check_vocab, load_tokenizer
 
@@ -102,6 +102,8 @@ class PretrainingDataModule(pl.LightningDataModule):
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
         self.global_batch_size = global_batch_size
+        #: micro-batches per training batch: 1, or num_microbatches under pipeline parallelism (set by train.py)
+        self.micro_batches_per_batch = 1
         self.barrier = barrier
         self.consumed_samples = 0
         self._tokenizer: PreTrainedTokenizerFast | None = None
@@ -222,8 +224,13 @@ class PretrainingDataModule(pl.LightningDataModule):
                                   shuffle=self.cfg.shuffle, global_batch_size=self.global_batch_size)
 
     def train_dataloader(self) -> DataLoader:
-        """Training batches (dicts, see module doc) for this DP rank, resuming at ``consumed_samples``."""
-        return self._loader(self.train_dataset, self.train_sampler())
+        """Training batches (dicts, see module doc) for this DP rank, resuming at ``consumed_samples``; with
+        ``micro_batches_per_batch = n > 1`` (pipeline parallelism) each batch holds the ``n`` micro-batches of
+        one optimizer step (``n x micro_batch_size`` rows)."""
+        sampler: Any = self.train_sampler()
+        if self.micro_batches_per_batch > 1:
+            sampler = GroupedBatchSampler(sampler, self.micro_batches_per_batch)
+        return self._loader(self.train_dataset, sampler)
 
     def val_dataloader(self) -> DataLoader | list:
         """One sequential pass over the held-out samples, each DP rank its own slice ([] without validation)."""
@@ -233,7 +240,7 @@ class PretrainingDataModule(pl.LightningDataModule):
                                      self.data_parallel_rank, self.data_parallel_size, self.seed, shuffle=False)
         return self._loader(self.val_dataset, sampler)
 
-    def _loader(self, dataset: PackedDataset | None, sampler: PretrainingSampler) -> DataLoader:
+    def _loader(self, dataset: PackedDataset | None, sampler: Any) -> DataLoader:
         collate = functools.partial(collate_packed, eos_id=self.eos_token_id,
                                     cross_document_attention=self.cfg.cross_document_attention)
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers,

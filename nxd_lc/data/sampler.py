@@ -21,6 +21,7 @@ epoch. ``__len__`` is the number of micro-batches per rank in one full epoch.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
@@ -108,3 +109,33 @@ class PretrainingSampler:
             batch = order[step_start + lo: step_start + lo + self.micro_batch_size].tolist()
             self.consumed_samples += self.step_size
             yield batch
+
+
+class GroupedBatchSampler:
+    """Concatenates every ``num_micro_batches`` consecutive micro-batches of a batch sampler into one batch.
+
+    Pipeline parallelism runs all micro-batches of an optimizer step in one schedule call, so its data loader
+    yields ``num_microbatches x micro_batch_size`` rows per batch: exactly the rows that gradient accumulation
+    would have seen over the step's micro-batches, in the same order.
+
+    Raises:
+        ValueError: ``num_micro_batches < 1``.
+    """
+
+    def __init__(self, sampler: Any, num_micro_batches: int) -> None:
+        if num_micro_batches < 1:
+            raise ValueError(f"GroupedBatchSampler: num_micro_batches must be >= 1, got {num_micro_batches}")
+        self.sampler, self.num_micro_batches = sampler, num_micro_batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        group: list[int] = []
+        count = 0
+        for batch in self.sampler:
+            group.extend(batch)
+            count += 1
+            if count == self.num_micro_batches:
+                yield group
+                group, count = [], 0
+
+    def __len__(self) -> int:
+        return len(self.sampler) // self.num_micro_batches

@@ -114,15 +114,16 @@ class MetricsPrinter(pl.Callback):
         self._losses: list[Any] = []  # reduced_train_loss of each step since the last line (tensors or numbers)
         self.printed_losses: list[tuple[int, float]] = []  # (step, mean loss) of every printed line
 
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """The restored / initial step: nothing trained yet in this run."""
+        self._last_step = trainer.global_step
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         step = trainer.global_step
-        first = self._last_step is None
-        if step == self._last_step or not trainer.is_global_zero:
+        if step == self._last_step or not trainer.is_global_zero:  # still accumulating (or not rank 0)
             return
         self._last_step = step
-        if first:  # the restored/initial step: nothing trained yet in this run
-            return
         metrics = trainer.callback_metrics
         if "reduced_train_loss" in metrics:
             self._losses.append(metrics["reduced_train_loss"])

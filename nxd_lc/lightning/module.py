@@ -62,6 +62,32 @@ class NxDLanguageModel(pl.LightningModule):
         self._loss_count = 0
         self._grad_norm: Optional[torch.Tensor] = None
         self._val_loss_sum: Optional[torch.Tensor] = None
+        self.pipeline = self._build_pipeline()
+
+    def _build_pipeline(self) -> Any:
+        """The :class:`~nxd_lc.pipeline.PipelineEngine` of this rank's stages at PP > 1, else None."""
+        if ps.get_pipeline_model_parallel_world_size() == 1:
+            return None
+        from nxd_lc.pipeline import PipelineEngine, stage_layer_ranges
+
+        ds = self.cfg.distributed_strategy
+        ranges = stage_layer_ranges(len(self.model.layers), ds.pipeline_model_parallel_size,
+                                    ds.virtual_pipeline_model_parallel_size, self.cfg.model.pipeline_cuts)
+        return PipelineEngine(self.model, ranges, virtual_size=ds.virtual_pipeline_model_parallel_size,
+                              micro_batch_size=self.cfg.data.micro_batch_size,
+                              sequence_parallel=ds.sequence_parallel)
+
+    def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
+        """Lightning zeroes gradients between ``training_step`` and ``backward``; under pipeline parallelism the
+        backward already ran inside ``training_step``, so gradients are zeroed there, before the schedule."""
+        if self.pipeline is None:
+            super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        """``loss.backward()``, except under pipeline parallelism, where the schedule has already run every
+        micro-batch's backward inside :meth:`training_step`."""
+        if self.pipeline is None:
+            super().backward(loss, *args, **kwargs)
 
     # ---- lazy-graph step boundaries -------------------------------------------------------------------------
     def _step_boundary(self) -> None:
@@ -110,8 +136,14 @@ class NxDLanguageModel(pl.LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Token-mean loss of the micro-batch (fp32 scalar); under CP, this rank's share of the mean over all
         CP ranks' tokens, scaled by CP (see :func:`nxd_lc.context.context_parallel_loss`)."""
-        loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
-        loss = context_parallel_loss(loss_sum, num_tokens)
+        batch = self._context_parallel_shard(batch)
+        if self.pipeline is not None:  # all micro-batches of the step, forward and backward (1F1B)
+            for optimizer in self.trainer.optimizers:
+                optimizer.zero_grad(set_to_none=True)
+            loss = self.pipeline.train_step(batch)
+        else:
+            loss_sum, num_tokens = self._loss(batch)
+            loss = context_parallel_loss(loss_sum, num_tokens)
         self._accumulate_loss(loss)
         return loss
 
@@ -129,9 +161,13 @@ class NxDLanguageModel(pl.LightningModule):
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate token-weighted validation loss; reduced over DP x CP in :meth:`on_validation_epoch_end`."""
-        loss_sum, num_tokens = self._loss(self._context_parallel_shard(batch))
-        tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
-        pair = torch.stack([loss_sum.detach().float(), tokens])
+        batch = self._context_parallel_shard(batch)
+        if self.pipeline is not None:
+            pair = self.pipeline.eval_step(batch)
+        else:
+            loss_sum, num_tokens = self._loss(batch)
+            tokens = torch.as_tensor(num_tokens, dtype=torch.float32, device=loss_sum.device)
+            pair = torch.stack([loss_sum.detach().float(), tokens])
         self._val_loss_sum = pair if self._val_loss_sum is None else self._val_loss_sum + pair
         self._step_boundary()
 
@@ -155,6 +191,7 @@ class NxDLanguageModel(pl.LightningModule):
         grads.allreduce_sequence_parallel_gradients(self.model)
         grads.allreduce_kv_replica_gradients(self.model)
         params = self.trainable_parameters()
+        grads.allreduce_tied_embedding_gradients(params)  # pipeline: embedding (first stage) + lm head (last)
         grads.allreduce_data_parallel_gradients(params, with_context_parallel=True)
         need_norm = self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
         self._grad_norm = grads.global_grad_norm(params) if need_norm else None

@@ -15,9 +15,15 @@ from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
 
 
-def gradient_accumulation_steps(cfg: NxdConfig) -> int:
-    """global_batch_size / (micro_batch_size * DP) — validated to be an integer."""
+def num_microbatches(cfg: NxdConfig) -> int:
+    """global_batch_size / (micro_batch_size * DP) — validated to be an integer (NxD's num_microbatches)."""
     return cfg.data.global_batch_size // (cfg.data.micro_batch_size * data_parallel_size(cfg))
+
+
+def gradient_accumulation_steps(cfg: NxdConfig) -> int:
+    """Lightning's ``accumulate_grad_batches``: :func:`num_microbatches`, or 1 under pipeline parallelism, where
+    each training batch holds all micro-batches of a step and the pipeline schedule accumulates them."""
+    return 1 if cfg.distributed_strategy.pipeline_model_parallel_size > 1 else num_microbatches(cfg)
 
 
 def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:

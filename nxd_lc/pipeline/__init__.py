@@ -5,6 +5,7 @@ from nxd_lc.pipeline.engine import PipelineEngine, build_engine
 from nxd_lc.pipeline.split import (
     balanced_layer_counts,
     parse_pipeline_cuts,
+    rank_model_part,
     split_problems,
     stage_layer_ranges,
     stages_of_rank,
@@ -17,6 +18,7 @@ __all__ = [
     "balanced_layer_counts",
     "build_engine",
     "parse_pipeline_cuts",
+    "rank_model_part",
     "split_problems",
     "stage_layer_ranges",
     "stages_of_rank",

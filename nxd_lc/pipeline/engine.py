@@ -71,7 +71,7 @@ class PipelineEngine:
         return layer.input_layernorm.weight.dtype
 
     def _pipeline_stage(self, module: PipelineStageModule, seq_local: int, device: torch.device) -> Any:
-        from torch.distributed.pipelining import PipelineStage
+        from nxd_lc.compat import pipeline_stage_class
 
         hidden = self.model.config.hidden_size
         tp = ps.get_tensor_model_parallel_world_size()
@@ -80,13 +80,16 @@ class PipelineEngine:
         inputs = (meta_like((self.micro_batch_size, seq_local), torch.long, device) if module.is_first
                   else meta_like(act, dtype, device))
         outputs = meta_like((1,), torch.float32, device) if module.is_last else meta_like(act, dtype, device)
-        return PipelineStage(module, module.stage_index, self.num_stages, device, input_args=inputs,
+        return pipeline_stage_class()(module, module.stage_index, self.num_stages, device, input_args=inputs,
                              output_args=outputs, group=ps.get_pipeline_model_parallel_group())
 
-    def _schedule(self, num_microbatches: int, seq_local: int, device: torch.device) -> Any:
-        key = (num_microbatches, seq_local, str(device), self._activation_dtype())
+    def _schedule(self, num_microbatches: int, seq_local: int, device: torch.device, train: bool) -> Any:
+        """The schedule for this batch shape: training 1F1B (one stage per rank; GPipe when there are fewer
+        micro-batches than stages, which torch's 1F1B does not take) or interleaved 1F1B; evaluation runs
+        forward only through GPipe / looped breadth-first order (any number of micro-batches)."""
+        key = (num_microbatches, seq_local, str(device), self._activation_dtype(), train)
         if key not in self._schedules:
-            from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+            from torch.distributed import pipelining as pl
 
             stages = [self._pipeline_stage(m, seq_local, device) for m in self.stage_modules]
 
@@ -94,11 +97,12 @@ class PipelineEngine:
                 return output.sum() / num_microbatches
 
             if self.virtual_size == 1:
-                schedule = Schedule1F1B(stages[0], num_microbatches, loss_fn=loss_fn,
-                                        **_schedule_kwargs(Schedule1F1B))
+                use_1f1b = train and num_microbatches >= self.num_stages
+                cls: type = pl.Schedule1F1B if use_1f1b else pl.ScheduleGPipe
+                schedule = cls(stages[0], num_microbatches, loss_fn=loss_fn, **_schedule_kwargs(cls))
             else:
-                schedule = ScheduleInterleaved1F1B(stages, num_microbatches, loss_fn=loss_fn,
-                                                   **_schedule_kwargs(ScheduleInterleaved1F1B))
+                cls = pl.ScheduleInterleaved1F1B if train else pl.ScheduleLoopedBFS
+                schedule = cls(stages, num_microbatches, loss_fn=loss_fn, **_schedule_kwargs(cls))
             self._schedules[key] = schedule
         return self._schedules[key]
 
@@ -119,7 +123,7 @@ class PipelineEngine:
         kwargs = {"position_ids": positions.contiguous(), "labels": labels}
         if batch.get("segment_ids") is not None:
             kwargs["segment_ids"] = batch["segment_ids"]
-        schedule = self._schedule(n, seq_local, input_ids.device)
+        schedule = self._schedule(n, seq_local, input_ids.device, train)
         args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
         losses: list[torch.Tensor] = []
         run = schedule.step if train else schedule.eval

@@ -109,3 +109,17 @@ def split_problems(num_layers: int, pipeline_size: int, virtual_size: int,
     except ValueError as e:
         return [str(e)]
     return []
+
+
+def rank_model_part(num_layers: int, pipeline_size: int, pipeline_rank: int, virtual_size: int = 1,
+                    pipeline_cuts: Sequence[str] | None = None) -> dict[str, object]:
+    """``LlamaForCausalLM`` keyword arguments for pipeline rank ``pipeline_rank``: ``keep_layers`` (the layers of
+    all its stages), ``keep_embedding`` (it holds stage 0) and ``keep_head`` (it holds the last stage).
+
+    Raises:
+        ValueError: see :func:`stage_layer_ranges`.
+    """
+    ranges = stage_layer_ranges(num_layers, pipeline_size, virtual_size, pipeline_cuts)
+    stages = stages_of_rank(pipeline_rank, pipeline_size, virtual_size)
+    return {"keep_layers": sorted(i for s in stages for i in ranges[s]), "keep_embedding": 0 in stages,
+            "keep_head": len(ranges) - 1 in stages}
