@@ -131,6 +131,7 @@ class FusionsConfig:
 
     softmax: bool = True  # NEURON_FUSE_SOFTMAX on Neuron; CPU/CUDA use torch's softmax either way
     flash_attention: bool = True  # True: SDPA flash path (NKI on Trainium); False: eager softmax(QK^T) attention
+    ring_attention: Optional[bool] = None  # NxDT: true = ring CP (context_parallel_algo ring); false + CP>1: ulysses
 
 
 @dataclass

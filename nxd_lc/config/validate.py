@@ -324,6 +324,20 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+def _ring_attention_problems(cfg: NxdConfig) -> list[str]:
+    """CP > 1: NxDT's ``model.fusions.ring_attention`` (its CP switch) must agree with ``context_parallel_algo``:
+    true selects ring (the default algorithm), false leaves only ulysses."""
+    ring, algo = cfg.model.fusions.ring_attention, cfg.distributed_strategy.context_parallel_algo
+    if ring is True and algo != "ring":
+        return [f"model.fusions.ring_attention: true selects ring attention but distributed_strategy."
+                f"context_parallel_algo is {algo!r}; remove one of them (ulysses: set ring_attention: false)"]
+    if ring is False and algo == "ring":
+        return ["model.fusions.ring_attention: false but distributed_strategy.context_parallel_algo is 'ring' (the "
+                "default) with context_parallel_size > 1; set ring_attention: true, or context_parallel_algo: "
+                "ulysses"]
+    return []
+
+
 def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     """CP layout rules: ring needs 2*cp chunks, Ulysses needs heads divisible by cp, SP splits the CP shard."""
     p: list[str] = []
@@ -335,6 +349,8 @@ def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> lis
         p.append(f"distributed_strategy.context_parallel_algo: unknown value {ds.context_parallel_algo!r}; "
                  f"{hint}choose ring or ulysses")
         return p
+    if cp > 1:
+        p += _ring_attention_problems(cfg)
     if cp <= 1 or s is None or tp < 1:
         return p
     chunks = 2 * cp if ds.context_parallel_algo == "ring" else cp

@@ -1,0 +1,64 @@
+"""NxDT keys and rules of issue 10 (part 2), at the config level: ``model.fusions.ring_attention``; ring context
+parallelism on XLA/Neuron; ``data.seq_length <= model.encoder_seq_length``; precision keys a non-manual type
+overrides; alignment-only / pretraining-only ``data`` keys; and every NxDT Llama example config loading."""
+
+from __future__ import annotations
+
+import copy
+import os
+from typing import Any
+
+import pytest
+
+from nxd_lc.config.validate import ConfigError, load_config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")  # 8 heads, 4 KV heads, 4096 positions
+
+
+def _raw(**sections: dict[str, Any]) -> dict[str, Any]:
+    """A small valid pretraining config (world 2 = CP 2 x TP 1) with ``sections`` merged one level deep."""
+    raw: dict[str, Any] = {
+        "trainer": {"devices": 2, "max_steps": 10},
+        "distributed_strategy": {"context_parallel_size": 2},
+        "data": {"micro_batch_size": 1, "global_batch_size": 1},
+        "model": {"model_config": TINY_JSON, "encoder_seq_length": 64},
+    }
+    for key, value in sections.items():
+        raw.setdefault(key, {}).update(copy.deepcopy(value))
+    return raw
+
+
+def _problems(raw: dict[str, Any]) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    return info.value.problems
+
+
+# ---- model.fusions.ring_attention ---------------------------------------------------------------------------
+
+def test_ring_attention_true_is_ring_context_parallelism() -> None:
+    cfg = load_config(_raw(model={"fusions": {"ring_attention": True, "flash_attention": False}}))
+    assert cfg.model.fusions.ring_attention is True and cfg.distributed_strategy.context_parallel_algo == "ring"
+
+
+def test_ring_attention_contradicting_ulysses_names_both_keys() -> None:
+    problems = _problems(_raw(model={"fusions": {"ring_attention": True}},
+                              distributed_strategy={"context_parallel_algo": "ulysses"}))
+    assert len(problems) == 1
+    assert "model.fusions.ring_attention" in problems[0] and "distributed_strategy.context_parallel_algo" in problems[0]
+
+
+def test_ring_attention_false_with_context_parallelism_needs_ulysses() -> None:
+    problems = _problems(_raw(model={"fusions": {"ring_attention": False}}))
+    assert len(problems) == 1 and problems[0].startswith("model.fusions.ring_attention: false")
+    assert "context_parallel_algo: ulysses" in problems[0]
+    cfg = load_config(_raw(model={"fusions": {"ring_attention": False}},
+                           distributed_strategy={"context_parallel_algo": "ulysses"}))
+    assert cfg.distributed_strategy.context_parallel_algo == "ulysses"
+
+
+def test_ring_attention_without_context_parallelism_is_accepted() -> None:
+    for value in (True, False):  # one CP rank: ring attention over one rank is local attention
+        load_config(_raw(distributed_strategy={"context_parallel_size": 1}, trainer={"devices": 1},
+                         model={"fusions": {"ring_attention": value}}))
