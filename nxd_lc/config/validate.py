@@ -338,6 +338,18 @@ def _ring_attention_problems(cfg: NxdConfig) -> list[str]:
     return []
 
 
+def _ring_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
+    """Ring context parallelism needs point-to-point send/recv, which the torch-xla process group does not offer
+    (:func:`nxd_lc.distributed.collectives.ring_exchange`): reject it on xla / neuron before anything is built."""
+    ds = cfg.distributed_strategy
+    if ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring" or accelerator not in ("xla", "neuron"):
+        return []
+    return [f"distributed_strategy.context_parallel_algo: ring attention (context_parallel_size "
+            f"{ds.context_parallel_size}) is not available on trainer.accelerator {accelerator} (the XLA process "
+            "group has no point-to-point send/recv for the K/V ring); set context_parallel_algo: ulysses (and "
+            "model.fusions.ring_attention: false), or run on trainer.accelerator cpu / gpu"]
+
+
 def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     """CP layout rules: ring needs 2*cp chunks, Ulysses needs heads divisible by cp, SP splits the CP shard."""
     p: list[str] = []
@@ -350,7 +362,7 @@ def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> lis
                  f"{hint}choose ring or ulysses")
         return p
     if cp > 1:
-        p += _ring_attention_problems(cfg)
+        p += _ring_attention_problems(cfg) + _ring_on_xla_problems(cfg, cfg.trainer.accelerator)
     if cp <= 1 or s is None or tp < 1:
         return p
     chunks = 2 * cp if ds.context_parallel_algo == "ring" else cp
@@ -608,7 +620,19 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
         (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
          em.enable_recovery_time_instrumentation),
     ]
-    return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad]
+    return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad] + _auto_ring_on_xla(cfg)
+
+
+def _auto_ring_on_xla(cfg: NxdConfig) -> list[str]:
+    """``trainer.accelerator: auto`` resolves to neuron on a Trainium host: ring CP is then not available either
+    (explicit xla / neuron are rejected by validation, :func:`_ring_on_xla_problems`)."""
+    ds = cfg.distributed_strategy
+    if cfg.trainer.accelerator != "auto" or ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring":
+        return []
+    from nxd_lc.runtime.xla import neuron_available  # auto picks neuron first (nxd_lc.runtime.device)
+
+    return ["not supported yet: " + p.replace("trainer.accelerator neuron", "trainer.accelerator auto (= neuron here)")
+            for p in _ring_on_xla_problems(cfg, "neuron")] if neuron_available() else []
 
 
 def check_supported(cfg: NxdConfig) -> None:
