@@ -26,6 +26,7 @@ from nxd_lc.config.validate import (
     check_supported,
     data_parallel_size,
     load_config,
+    model_seq_length,
     path_problems,
     peft_config,
     resolve_path,
@@ -65,7 +66,8 @@ def dry_run(cfg: NxdConfig) -> str:
 def _unscaled_rope(hf_overrides: dict[str, Any], rope_theta: Any, seq: int, original: int) -> dict[str, Any]:
     """YaRN at ``seq_length <= original_max_position_embeddings`` is a no-op: unscaled RoPE, with a warning."""
     log.warning("rope_scaling: yarn is a no-op at seq_length %d <= original_max_position_embeddings %d: "
-                "unscaled RoPE is used; raise data.seq_length above %d or drop rope_scaling", seq, original, original)
+                "unscaled RoPE is used; raise model.encoder_seq_length above %d or drop rope_scaling", seq, original,
+                original)
     out = {**hf_overrides, "rope_scaling": None}
     if rope_theta is not None:
         out["rope_theta"] = rope_theta
@@ -87,7 +89,7 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
                  "max_position_embeddings": m.max_position_embeddings, "encoder_seq_length": m.encoder_seq_length}
     yaml_overrides = {k: v for k, v in overrides.items() if v is not None}
-    path, seq = resolve_path(m.model_config or ""), seq_length(cfg) or 0
+    path, seq = resolve_path(m.model_config or ""), model_seq_length(cfg) or 0  # RoPE is judged at the model's length
     hf_overrides = dict(m.hf_config_overrides or {})
     rs = hf_overrides.get("rope_scaling")
     if isinstance(rs, Mapping) and rs.get("rope_type") == "yarn" and seq <= int(

@@ -19,6 +19,7 @@ from nxd_lc.config.validate import (
     ConfigError,
     data_parallel_size,
     load_config,
+    model_seq_length,
     seq_length,
     unsupported_features,
 )
@@ -156,7 +157,7 @@ def test_multiple_problems_reported_together() -> None:
 
 
 def test_multiple_cross_field_problems_reported_together() -> None:
-    raw = _tiny(trainer={"devices": 3}, data={"seq_length": 31}, distributed_strategy={"sequence_parallel": True})
+    raw = _tiny(trainer={"devices": 3}, data={"seq_length": 131}, distributed_strategy={"sequence_parallel": True})
     problems = _problems(raw, world_size=4)
     starts = [p.split(":")[0] for p in problems]
     assert starts == ["trainer.devices", "distributed_strategy.tensor_model_parallel_size", "data.seq_length",
@@ -245,11 +246,15 @@ def test_qkv_linear_false_with_fewer_kv_heads_than_tp(tmp_path: Path) -> None:
                                  "model.qkv_linear: true and distributed_strategy.kv_replicator: 2")
 
 
-def test_seq_length_vs_encoder_seq_length_mismatch() -> None:
-    raw = _tiny(data={"seq_length": 32})
-    assert _one_problem(raw).startswith("data.seq_length: 32 differs from model.encoder_seq_length 64")
-    raw["data"]["seq_length"] = 64
-    assert seq_length(load_config(raw)) == 64
+def test_seq_length_at_most_encoder_seq_length() -> None:
+    raw = _tiny(data={"seq_length": 128})
+    assert _one_problem(raw).startswith("data.seq_length: 128 exceeds model.encoder_seq_length 64")
+    for shorter in (64, 32):  # NxDT's SFT configs train 4096-token data on an 8192-token model
+        raw["data"]["seq_length"] = shorter
+        cfg = load_config(raw)
+        assert seq_length(cfg) == shorter and model_seq_length(cfg) == 64
+    del raw["model"]["encoder_seq_length"]
+    assert model_seq_length(load_config(raw)) == 32  # no model length: the data's
 
 
 def test_model_config_missing_file(tmp_path: Path) -> None:

@@ -115,7 +115,7 @@ class DataConfig:
     val_fraction: float = 0.05  # share of files held out for validation when val_dir is None
     file_glob: str = "**/*"  # pattern applied inside a train_dir/val_dir directory of text files
     text_key: str = "text"  # jsonl / datasets column holding the document text
-    seq_length: Optional[int] = None  # tokens per sequence; defaults to model.encoder_seq_length
+    seq_length: Optional[int] = None  # training tokens per sequence, <= model.encoder_seq_length (default: equal)
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
     cross_document_attention: bool = False  # False: attention stays inside each packed document (ProLong)
@@ -180,7 +180,7 @@ class ModelConfig:
 
     model_config: Optional[str] = None  # path to an HF config.json (Llama family)
     hf_weights_dir: Optional[str] = None  # HF safetensors dir loaded before training, each rank reading its TP shard
-    encoder_seq_length: Optional[int] = None  # training sequence length (overrides nothing in config.json)
+    encoder_seq_length: Optional[int] = None  # the model's sequence length (<= max positions; judges RoPE scaling)
     max_position_embeddings: Optional[int] = None  # overrides config.json max_position_embeddings
     num_layers: Optional[int] = None  # overrides config.json num_hidden_layers
     hidden_size: Optional[int] = None  # overrides config.json hidden_size

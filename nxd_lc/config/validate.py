@@ -254,6 +254,12 @@ def seq_length(cfg: NxdConfig) -> int | None:
     return cfg.data.seq_length if cfg.data.seq_length is not None else cfg.model.encoder_seq_length
 
 
+def model_seq_length(cfg: NxdConfig) -> int | None:
+    """The model's sequence length (what its RoPE scaling is judged by): ``model.encoder_seq_length``, else
+    ``data.seq_length``. Training may use shorter sequences (``data.seq_length <= model.encoder_seq_length``)."""
+    return cfg.model.encoder_seq_length if cfg.model.encoder_seq_length is not None else cfg.data.seq_length
+
+
 def peft_config(cfg: NxdConfig) -> PeftConfig | None:
     """The LoRA settings, ``model_alignment_strategy.peft`` (None: no LoRA)."""
     return None if cfg.model_alignment_strategy is None else cfg.model_alignment_strategy.peft
@@ -310,9 +316,10 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
         p.append("data.seq_length: not set and model.encoder_seq_length is not set either; set one of them")
     else:
         if cfg.data.seq_length is not None and cfg.model.encoder_seq_length is not None \
-                and cfg.data.seq_length != cfg.model.encoder_seq_length:
-            p.append(f"data.seq_length: {cfg.data.seq_length} differs from model.encoder_seq_length "
-                     f"{cfg.model.encoder_seq_length}; set data.seq_length: ${{model.encoder_seq_length}}")
+                and cfg.data.seq_length > cfg.model.encoder_seq_length:
+            p.append(f"data.seq_length: {cfg.data.seq_length} exceeds model.encoder_seq_length "
+                     f"{cfg.model.encoder_seq_length} (the model's length; NxDT allows shorter data); lower it or "
+                     f"raise model.encoder_seq_length")
         tp = cfg.distributed_strategy.tensor_model_parallel_size
         if cfg.distributed_strategy.sequence_parallel and tp >= 1 and s % tp != 0:
             p.append(f"data.seq_length: {s} must be divisible by tensor_model_parallel_size {tp} when "
@@ -392,7 +399,7 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
         from nxd_lc.models.common.rope import rope_scaling_problems
 
         rs = dict(overrides["rope_scaling"])
-        orig, s = rs.get("original_max_position_embeddings"), seq_length(cfg)
+        orig, s = rs.get("original_max_position_embeddings"), model_seq_length(cfg)
         if rs.get("rope_type") == "yarn" and isinstance(orig, int) and s is not None and s <= orig:
             # a no-op (unscaled RoPE, with a warning at build time): a ${div:seq,orig} factor < 1 is fine
             rs["factor"] = max(1.0, float(rs.get("factor") or 1.0))

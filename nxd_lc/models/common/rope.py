@@ -417,7 +417,7 @@ def warn_if_rope_scaling_is_noop(config: Any, seq_length: int) -> str | None:
 
     Args:
         config: an HF ``LlamaConfig`` or a :class:`RopeSpec`.
-        seq_length: the training sequence length (``data.seq_length``).
+        seq_length: the model's sequence length (``model.encoder_seq_length``, else ``data.seq_length``).
 
     Returns:
         The warning text, or None when the scaling is useful (or the type is not length-gated).
@@ -430,7 +430,7 @@ def warn_if_rope_scaling_is_noop(config: Any, seq_length: int) -> str | None:
                   f"scaled by the attention factor), which changes the model without extending its context")
         msg = (f"rope_scaling: rope_type yarn is a no-op at seq_length {seq_length} <= "
                f"original_max_position_embeddings {orig}: no trained position lies beyond the original context; "
-               f"{effect}. Raise data.seq_length above {orig} or drop rope_scaling.")
+               f"{effect}. Raise model.encoder_seq_length above {orig} or drop rope_scaling.")
     elif spec.rope_type == "dynamic" and seq_length <= spec.max_position_embeddings:
         msg = (f"rope_scaling: rope_type dynamic is a no-op at seq_length {seq_length} <= max_position_embeddings "
                f"{spec.max_position_embeddings}: dynamic NTK only rescales longer sequences (unscaled RoPE is used).")
