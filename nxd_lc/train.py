@@ -63,12 +63,14 @@ def dry_run(cfg: NxdConfig) -> str:
     return "\n".join(lines)
 
 
-def _unscaled_rope(hf_overrides: dict[str, Any], rope_theta: Any, seq: int, original: int) -> dict[str, Any]:
-    """YaRN at ``seq_length <= original_max_position_embeddings`` is a no-op: unscaled RoPE, with a warning."""
-    log.warning("rope_scaling: yarn is a no-op at seq_length %d <= original_max_position_embeddings %d: "
-                "unscaled RoPE is used; raise model.encoder_seq_length above %d or drop rope_scaling", seq, original,
-                original)
-    out = {**hf_overrides, "rope_scaling": None}
+def _drop_yarn_override(hf_overrides: dict[str, Any], rope_theta: Any, seq: int, original: int) -> dict[str, Any]:
+    """A YaRN ``hf_config_overrides.rope_scaling`` at ``seq_length <= original_max_position_embeddings`` extends
+    nothing: it is dropped, with a warning (its ``rope_theta`` is kept). config.json's own rope_scaling, if any, then
+    applies as it is: a pretrained model's scaling is never removed (transformers applies it at every length)."""
+    log.warning("rope_scaling: the yarn override is a no-op at seq_length %d <= original_max_position_embeddings %d "
+                "and is dropped (config.json's own rope_scaling, if any, is used); raise model.encoder_seq_length "
+                "above %d or drop the override", seq, original, original)
+    out = {k: v for k, v in hf_overrides.items() if k != "rope_scaling"}
     if rope_theta is not None:
         out["rope_theta"] = rope_theta
     return out
@@ -81,7 +83,7 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     converter and the evaluation, so all three build the same model.
     """
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
-    from nxd_lc.models.common.rope import rope_spec_from_config, warn_if_rope_scaling_is_noop
+    from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
 
@@ -94,14 +96,10 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     rs = hf_overrides.get("rope_scaling")
     if isinstance(rs, Mapping) and rs.get("rope_type") == "yarn" and seq <= int(
             rs.get("original_max_position_embeddings") or seq):
-        hf_overrides = _unscaled_rope(hf_overrides, rs.get("rope_theta"), seq, rs["original_max_position_embeddings"])
+        hf_overrides = _drop_yarn_override(hf_overrides, rs.get("rope_theta"), seq,
+                                           rs["original_max_position_embeddings"])
     hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides or None)
-    spec = rope_spec_from_config(hf_config)
-    if spec.rope_type == "yarn" and seq <= spec.original_max_position_embeddings():  # yarn from config.json
-        hf_overrides = _unscaled_rope(hf_overrides, spec.rope_theta, seq, spec.original_max_position_embeddings())
-        hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides)
-    else:
-        warn_if_rope_scaling_is_noop(hf_config, seq)
+    warn_if_rope_scaling_is_noop(hf_config, seq)  # config.json's own scaling stays applied, with a warning
     model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
                              fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
                              flash_attention=m.fusions.flash_attention,
