@@ -231,7 +231,7 @@ class NxdConfig:
     compiler_flags: str = ""  # appended to NEURON_CC_FLAGS
     compiler_cache_url: str = "./compiler_cache"  # NEURON_COMPILE_CACHE_URL
     async_exec_max_inflight_requests: Optional[int] = None  # NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS
-    bucket_size_collectives: Optional[int] = None  # BUCKET_CAP_MB: gradient all-reduce bucket size (MiB)
+    bucket_size_collectives: Optional[int] = None  # MiB per DP gradient all-reduce bucket (unset: 64); BUCKET_CAP_MB
     neuron_rt_exec_timeout: Optional[int] = None  # NEURON_RT_EXEC_TIMEOUT (seconds)
     neuron_experimental_compress_rg: Optional[bool] = None  # NEURON_EXPERIMENTAL_COMPRESS_RG
     dry_run: bool = False  # validate the config, print it with the effective environment, and exit

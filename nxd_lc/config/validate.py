@@ -260,6 +260,14 @@ def model_seq_length(cfg: NxdConfig) -> int | None:
     return cfg.model.encoder_seq_length if cfg.model.encoder_seq_length is not None else cfg.data.seq_length
 
 
+def gradient_bucket_size_mb(cfg: NxdConfig) -> float:
+    """MiB per bucket of the DP (x CP) gradient all-reduce: ``bucket_size_collectives``, else nxd_lc's default
+    (:data:`nxd_lc.distributed.grads.DEFAULT_BUCKET_SIZE_MB`, 64)."""
+    from nxd_lc.distributed.grads import DEFAULT_BUCKET_SIZE_MB
+
+    return float(cfg.bucket_size_collectives) if cfg.bucket_size_collectives is not None else DEFAULT_BUCKET_SIZE_MB
+
+
 def peft_config(cfg: NxdConfig) -> PeftConfig | None:
     """The LoRA settings, ``model_alignment_strategy.peft`` (None: no LoRA)."""
     return None if cfg.model_alignment_strategy is None else cfg.model_alignment_strategy.peft
@@ -476,6 +484,8 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
             p.append(f"{key}: unknown value {value!r}; {hint}choose one of {', '.join(map(str, allowed))}")
     if cfg.trainer.max_steps < 1:
         p.append(f"trainer.max_steps: must be >= 1, got {cfg.trainer.max_steps}")
+    if cfg.bucket_size_collectives is not None and cfg.bucket_size_collectives < 1:
+        p.append(f"bucket_size_collectives: must be >= 1 MiB (or null for 64), got {cfg.bucket_size_collectives}")
     if cfg.trainer.log_every_n_steps < 1:
         p.append(f"trainer.log_every_n_steps: must be >= 1, got {cfg.trainer.log_every_n_steps}")
     sched = cfg.model.optim.sched

@@ -32,6 +32,10 @@ from torch import nn
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.collectives import ProcessGroup
 
+#: MiB per flattened all-reduce bucket unless the caller says otherwise (the DP reduction takes
+#: ``bucket_size_collectives`` from the config, :func:`nxd_lc.config.validate.gradient_bucket_size_mb`).
+DEFAULT_BUCKET_SIZE_MB = 64.0
+
 
 def grad_of(param: nn.Parameter) -> torch.Tensor | None:
     """The gradient to reduce, clip and step: the fp32 ``main_grad`` accumulation buffer when the parameter has
@@ -42,7 +46,8 @@ def grad_of(param: nn.Parameter) -> torch.Tensor | None:
 
 
 def _coalesced_all_reduce(
-    tensors: list[torch.Tensor], group: ProcessGroup | None, op: str = "sum", bucket_size_mb: float = 64.0
+    tensors: list[torch.Tensor], group: ProcessGroup | None, op: str = "sum",
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
 ) -> None:
     """All-reduce ``tensors`` in place, flattening them into buckets of at most ``bucket_size_mb``
     (per dtype/device) so the number of collectives stays small."""
@@ -97,9 +102,11 @@ def allreduce_kv_replica_gradients(module: nn.Module) -> None:
 
 
 def allreduce_data_parallel_gradients(
-    params: Iterable[nn.Parameter], with_context_parallel: bool = True, bucket_size_mb: float = 64.0
+    params: Iterable[nn.Parameter], with_context_parallel: bool = True, bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
 ) -> None:
-    """Average gradients over the DP group (DP x CP when ``with_context_parallel``), bucketed.
+    """Average gradients over the DP group (DP x CP when ``with_context_parallel``), bucketed: one all-reduce per
+    ``bucket_size_mb`` MiB of gradients (per dtype/device; a bucket closes once it reaches the size), so the number
+    of collectives falls as the bucket grows (``bucket_size_collectives`` in training).
 
     With context parallelism each CP rank's loss must be normalised so that the *average* over
     DP x CP ranks is the global per-token mean (e.g. local token-sum x cp / global token count,

@@ -30,6 +30,7 @@ import pytorch_lightning as pl
 import torch
 
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.validate import gradient_bucket_size_mb
 from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, shard_batch_for_context_parallel
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
@@ -192,7 +193,8 @@ class NxDLanguageModel(pl.LightningModule):
         grads.allreduce_kv_replica_gradients(self.model)
         params = self.trainable_parameters()
         grads.allreduce_tied_embedding_gradients(params)  # pipeline: embedding (first stage) + lm head (last)
-        grads.allreduce_data_parallel_gradients(params, with_context_parallel=True)
+        grads.allreduce_data_parallel_gradients(params, with_context_parallel=True,
+                                                bucket_size_mb=gradient_bucket_size_mb(self.cfg))
         need_norm = self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
         self._grad_norm = grads.global_grad_norm(params) if need_norm else None
 
