@@ -95,3 +95,54 @@ def test_auto_accelerator_reports_ring_on_a_neuron_host(monkeypatch: pytest.Monk
         assert len(found) == 1 and "trainer.accelerator auto (= neuron here)" in found[0]
     else:
         assert found == []
+
+
+# ---- precision keys a non-manual precision.type overrides ----------------------------------------------------
+
+NXDT_PRECISION_KEYS = {"xla_use_bf16": "0", "xla_downcast_bf16": "0", "neuron_rt_stochastic_rounding_en": "0"}
+
+
+def _cp1(**sections: dict[str, Any]) -> dict[str, Any]:
+    return _raw(distributed_strategy={"context_parallel_size": 1}, trainer={"devices": 1}, **sections)
+
+
+def test_nxdt_zeros_beside_mixed_precision_are_overridden_and_logged_once(caplog: Any,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level("INFO", logger="nxd_lc"):
+        load_config(_cp1(precision={"type": "mixed_precision", **NXDT_PRECISION_KEYS}))
+    lines = [r.getMessage() for r in caplog.records if "is overridden by precision.type" in r.getMessage()]
+    # NxDT's mixed_precision runs with XLA_DOWNCAST_BF16=1: only that key differs from the YAML's '0'
+    assert lines == ["config: precision.xla_downcast_bf16 '0' is overridden by precision.type mixed_precision, which "
+                     "uses '1' (these keys are read only with precision.type manual)"]
+
+
+def test_override_is_logged_by_rank_zero_only(caplog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RANK", "1")
+    with caplog.at_level("INFO", logger="nxd_lc"):
+        load_config(_cp1(precision={"type": "mixed_precision", **NXDT_PRECISION_KEYS}))
+    assert "is overridden" not in caplog.text
+
+
+@pytest.mark.parametrize("precision_type,key", [
+    ("fp32", "xla_use_bf16"),
+    ("fp32", "xla_downcast_bf16"),
+    ("fp32", "neuron_rt_stochastic_rounding_en"),  # fp32 leaves stochastic rounding off
+    ("mixed_precision", "xla_use_bf16"),
+    ("mixed_precision", "neuron_rt_stochastic_rounding_en"),  # mixed_precisionSR is the SR mode
+    ("autocast", "xla_downcast_bf16"),
+])
+def test_a_one_the_type_turns_off_is_an_error(precision_type: str, key: str) -> None:
+    problems = _problems(_cp1(precision={"type": precision_type, key: "1"}))
+    assert len(problems) == 1
+    assert problems[0].startswith(f"precision.{key}: '1' contradicts precision.type {precision_type}, which uses '0'")
+
+
+def test_values_the_type_agrees_with_or_manual_are_fine(caplog: Any) -> None:
+    with caplog.at_level("INFO", logger="nxd_lc"):
+        load_config(_cp1(precision={"type": "bf16SR", "xla_use_bf16": "1", "neuron_rt_stochastic_rounding_en": "1"}))
+        load_config(_cp1(precision={"type": "mixed_precisionSR", "xla_downcast_bf16": "1",
+                                    "neuron_rt_stochastic_rounding_en": "1"}))
+        load_config(_cp1(precision={"type": "manual", "xla_use_bf16": "1", "xla_downcast_bf16": "1",
+                                    "neuron_rt_stochastic_rounding_en": "1"}))
+    assert "is overridden" not in caplog.text

@@ -230,6 +230,7 @@ def load_config(raw: DictConfig | Mapping[str, Any], world_size: int | None = No
         problems.extend(path_problems(cfg))
     if problems:
         raise ConfigError(problems)
+    log_precision_overrides(cfg)
     return cfg
 
 
@@ -524,6 +525,40 @@ def _keeps_master_weights(cfg: NxdConfig) -> bool:
         return False
 
 
+#: The ``precision`` keys that set XLA / Neuron environment variables themselves only with ``type: manual``.
+PRECISION_ENV_KEYS = ("xla_use_bf16", "xla_downcast_bf16", "neuron_rt_stochastic_rounding_en")
+
+
+def _precision_env_overrides(cfg: NxdConfig) -> list[tuple[str, str, str]]:
+    """``(key, configured value, value the type uses)`` for each of :data:`PRECISION_ENV_KEYS` whose value a
+    non-manual ``precision.type`` replaces (as NxDT does); a type that leaves a variable unset uses '0'."""
+    from nxd_lc.runtime.env import PRECISION_ENV
+
+    prec = cfg.precision
+    if prec.type not in PRECISION_ENV:
+        return []
+    by_type = dict(zip(PRECISION_ENV_KEYS, PRECISION_ENV[prec.type][:3]))
+    out = []
+    for key in PRECISION_ENV_KEYS:
+        value, used = str(getattr(prec, key)), by_type[key] or "0"
+        if value in ("0", "1") and value != used:
+            out.append((key, value, used))
+    return out
+
+
+def log_precision_overrides(cfg: NxdConfig) -> list[str]:
+    """Log (info, global rank 0 only) each precision key a non-manual ``precision.type`` overrides; returns the
+    lines (every rank). NxDT's examples set all three to '0' beside ``mixed_precision``, which uses '1' for
+    ``xla_downcast_bf16``: that is overridden, not an error (a '1' the type turns off is, see validation)."""
+    lines = [f"precision.{key} '{value}' is overridden by precision.type {cfg.precision.type}, which uses '{used}' "
+             f"(these keys are read only with precision.type manual)" for key, value, used in
+             _precision_env_overrides(cfg)]
+    if os.environ.get("RANK", "0") == "0":
+        for line in lines:
+            log.info("config: %s", line)
+    return lines
+
+
 def _precision_problems(cfg: NxdConfig) -> list[str]:
     """Precision keys that cannot be honoured together (modes -> dtypes: :mod:`nxd_lc.precision.policy`)."""
     p: list[str] = []
@@ -531,9 +566,13 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
     reduce = prec.parallel_layers_reduce_dtype
     if reduce not in (None, "fp32", "float32", "bf16", "bfloat16"):
         p.append(f"precision.parallel_layers_reduce_dtype: unknown value {reduce!r}; choose fp32 or bf16")
-    for key in ("xla_use_bf16", "xla_downcast_bf16", "neuron_rt_stochastic_rounding_en"):
+    for key in PRECISION_ENV_KEYS:
         if str(getattr(prec, key)) not in ("0", "1"):
             p.append(f"precision.{key}: must be '0' or '1', got {getattr(prec, key)!r}")
+    for key, value, used in _precision_env_overrides(cfg):
+        if value == "1":  # NxDT's default is '0': a '1' the type turns off was set on purpose
+            p.append(f"precision.{key}: '1' contradicts precision.type {prec.type}, which uses '{used}' (the type "
+                     f"sets it); remove it, or use precision.type manual to set it yourself")
     if prec.type != "manual" and (prec.master_weights or prec.fp32_grad_acc):
         p.append(f"precision.master_weights / precision.fp32_grad_acc: only read with precision.type manual "
                  f"(type {prec.type} fixes them, see the README precision table); set them false or use manual")
