@@ -173,7 +173,7 @@ def test_incomplete_checkpoint_and_missing_shard(tmp_path: Path) -> None:
         convert.resolve_checkpoint(str(tag_dir))
     (tag_dir / "done").write_text("1")
     assert convert.resolve_checkpoint(str(tag_dir)) == (str(tmp_path), "t")
-    with pytest.raises(FileNotFoundError, match=r"TP ranks \[0\]"):
+    with pytest.raises(FileNotFoundError, match=r"\(TP rank, PP rank\) \[\(0, 0\)\]"):
         convert.checkpoint_tp_size(str(tag_dir))
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
         convert.resolve_checkpoint(str(tmp_path / "t" / "model"))

@@ -16,8 +16,11 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.context import set_context_parallel_algo, shard_batch_for_context_parallel
+from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.distributed.grads import (
+    allreduce_data_parallel_gradients,
     allreduce_kv_replica_gradients,
     allreduce_sequence_parallel_gradients,
     allreduce_tied_embedding_gradients,
@@ -57,9 +60,12 @@ def _reference(ckpt: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return total, {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
 
 
-def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, ref: dict) -> None:
-    pp = world // tp
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, ref: dict, cp: int = 1,
+                     algo: str = "ring") -> None:
+    pp = world // (tp * cp)
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                 context_parallel_size=cp)
+    set_context_parallel_algo(algo)
     config = build_llama_config(ckpt)
     ranges = stage_layer_ranges(LAYERS, pp, virtual)
     stages = [s for s in range(pp * virtual) if s % pp == ps.get_pipeline_model_parallel_rank()]
@@ -70,8 +76,14 @@ def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, re
     load_hf_weights(model, ckpt)
     engine = PipelineEngine(model, ranges, virtual_size=virtual, micro_batch_size=MB, sequence_parallel=sp)
     ids, labels = _batch()
-    loss = engine.train_step({"input_ids": ids, "labels": labels})
+    positions = torch.arange(S).expand_as(ids)
+    batch = shard_batch_for_context_parallel({"input_ids": ids, "labels": labels, "position_ids": positions},
+                                             ps.get_context_parallel_rank(), cp, algo)
+    loss = engine.train_step(batch)
+    # each CP rank holds its share of the loss scaled by CP: the mean over the CP group is the loss
+    loss = collectives.all_reduce(loss.reshape(1).clone(), ps.get_context_parallel_group())[0] / cp
     torch.testing.assert_close(loss, ref["loss"], atol=ATOL, rtol=0)
+    allreduce_data_parallel_gradients(list(model.parameters()), with_context_parallel=True)
     allreduce_sequence_parallel_gradients(model)
     allreduce_kv_replica_gradients(model)
     allreduce_tied_embedding_gradients(list(model.parameters()))
@@ -112,6 +124,15 @@ def test_pipeline_matches_transformers(hf_ckpt, tp: int, virtual: int, world: in
 def test_pipeline_with_tensor_parallel_matches_transformers(hf_ckpt) -> None:
     ckpt, ref = hf_ckpt
     run_distributed(_pipeline_worker, 4, ckpt, 2, 1, ref)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["ring", "ulysses"])
+def test_pipeline_with_context_parallel_matches_transformers(hf_ckpt, algo: str) -> None:
+    """PP=2 x CP=2 on 4 processes: each micro-batch's sequence split over CP (head-tail for ring)."""
+    ckpt, ref = hf_ckpt
+    run_distributed(_pipeline_worker, 4, ckpt, 1, 1, ref, 2, algo)
 
 
 def test_balanced_split_and_cuts() -> None:

@@ -146,41 +146,49 @@ def resolve_checkpoint(path: str) -> tuple[str, str]:
     return path, newest
 
 
-def checkpoint_tp_size(tag_dir: str) -> int:
-    """Tensor-parallel size a checkpoint was saved with, from its model shard file names.
+def checkpoint_parallel_sizes(tag_dir: str) -> tuple[int, int]:
+    """``(TP, PP)`` sizes a checkpoint was saved with, from its model shard file names.
 
     Raises:
-        FileNotFoundError: no model shards, or a TP rank's shard is missing (incomplete checkpoint).
-        ValueError: the checkpoint was saved with pipeline parallelism (not supported by the converter).
+        FileNotFoundError: no model shards, or the shard of a (TP, PP) rank is missing (incomplete checkpoint).
     """
-    _, tps, pps = sharded._ranks_found(os.path.join(tag_dir, sharded.MODEL_DIR))
+    folder = os.path.join(tag_dir, sharded.MODEL_DIR)
+    _, tps, pps = sharded._ranks_found(folder)
     if not tps:
         raise FileNotFoundError(f"checkpoint {tag_dir} has no model shards in {sharded.MODEL_DIR}/ "
                                 "(dp_rank_00_tp_rank_XX_pp_rank_XX.pt)")
-    if pps != {0}:
-        raise ValueError(f"checkpoint {tag_dir} was saved with pipeline_model_parallel_size "
-                         f"{max(pps) + 1}; the converter supports PP = 1 only")
-    tp = max(tps) + 1
-    missing = sorted(set(range(tp)) - tps)
+    tp, pp = max(tps) + 1, max(pps) + 1
+    missing = [(t, p) for t in range(tp) for p in range(pp)
+               if not os.path.exists(os.path.join(folder, sharded.checkpoint_file_name(0, t, p)))]
     if missing:
-        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of TP ranks {missing} (of "
-                                f"TP size {tp}) are missing")
-    return tp
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of (TP rank, PP rank) {missing}"
+                                f" (of TP size {tp}, PP size {pp}) are missing")
+    return tp, pp
+
+
+def checkpoint_tp_size(tag_dir: str) -> int:
+    """Tensor-parallel size a checkpoint was saved with (see :func:`checkpoint_parallel_sizes`)."""
+    return checkpoint_parallel_sizes(tag_dir)[0]
 
 
 def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
     """Check that ``cfg`` and the launch match the checkpoint's layout; returns its TP size.
 
+    Pipeline stages are gathered: the converter runs one process per TP rank, each loading that TP rank's shard
+    of every pipeline stage.
+
     Raises:
-        ValueError: the config's ``tensor_model_parallel_size`` or the number of launched processes differs
-            from the checkpoint's TP size, or the config uses pipeline parallelism (each names the fix).
-        FileNotFoundError: see :func:`checkpoint_tp_size`.
+        ValueError: the config's ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` or the number of
+            launched processes differs from the checkpoint's (each names the fix).
+        FileNotFoundError: see :func:`checkpoint_parallel_sizes`.
     """
-    tp = checkpoint_tp_size(tag_dir)
+    tp, pp = checkpoint_parallel_sizes(tag_dir)
     ds = cfg.distributed_strategy
-    if ds.pipeline_model_parallel_size != 1:
-        raise ValueError("distributed_strategy.pipeline_model_parallel_size: the converter supports 1 only, got "
-                         f"{ds.pipeline_model_parallel_size}")
+    if ds.pipeline_model_parallel_size != pp:
+        raise ValueError(f"PP mismatch: checkpoint {tag_dir} was saved with pipeline_model_parallel_size {pp} but "
+                         f"the config has distributed_strategy.pipeline_model_parallel_size="
+                         f"{ds.pipeline_model_parallel_size}; pass the override "
+                         f"distributed_strategy.pipeline_model_parallel_size={pp} (the run's own config)")
     if ds.tensor_model_parallel_size != tp:
         raise ValueError(f"TP mismatch: checkpoint {tag_dir} was saved with tensor_model_parallel_size {tp} but "
                          f"the config has distributed_strategy.tensor_model_parallel_size="
@@ -204,6 +212,10 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
     """
     from nxd_lc.train import build_model as _build_run_model
 
+    # the whole model on each TP rank: pipeline stages are gathered (see check_layout)
+    ds = dataclasses.replace(cfg.distributed_strategy, pipeline_model_parallel_size=1,
+                             virtual_pipeline_model_parallel_size=1)
+    cfg = dataclasses.replace(cfg, distributed_strategy=ds, model=dataclasses.replace(cfg.model, pipeline_cuts=None))
     if not load_weights:
         cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=None))
     _, model = _build_run_model(cfg)
@@ -226,13 +238,23 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
         ValueError: the shard is not an nxd_lc LightningModule state dict, or its names/shapes do not match the
             model built from the config (the message names the checkpoint).
     """
-    state, _, _ = sharded.load_checkpoint(ckpt_root, tag, dp_rank=0, tp_rank=tp_rank, pp_rank=0,
-                                          load_optim=False, use_xser=use_xser)
+    _, pp = checkpoint_parallel_sizes(os.path.join(ckpt_root, tag))
+    state: Any = {}
+    for pp_rank in range(pp):  # pipeline stages hold disjoint parameters, named as in the whole model
+        part, _, _ = sharded.load_checkpoint(ckpt_root, tag, dp_rank=0, tp_rank=tp_rank, pp_rank=pp_rank,
+                                             load_optim=False, use_xser=use_xser)
+        if not isinstance(part, dict):
+            state = part
+            break
+        state.update({k: v for k, v in part.items() if k not in state})  # a tied lm-head copy: stage 0's wins
     if not isinstance(state, dict) or not any(str(k).startswith(MODEL_PREFIX) for k in state):
         keys = list(state)[:3] if isinstance(state, dict) else type(state).__name__
         raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)}: model shard has no '{MODEL_PREFIX}*' keys "
                          f"(got {keys}); it was not written by nxd_lc's training module")
     local = {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+    if pp > 1 and getattr(getattr(model, "config", None), "tie_word_embeddings", False) and \
+            "embed_tokens.weight" in local:
+        local["lm_head.weight"] = local["embed_tokens.weight"]  # the last stage's copy of the tied weight
     try:
         if adapters_only:
             load_lora_state_dict(model, local)

@@ -6,7 +6,8 @@ NxDT keys (``model:`` section):
 * ``full`` -- every decoder layer (``model.layers[i]``) is recomputed in backward: only the layer inputs
   ``[B, S(/tp), H]`` are kept between forward and backward.
 * ``selective`` -- the modules whose *class name* is listed in ``activations_checkpoint_recompute`` (e.g.
-  ``[CoreAttention]``, NxDT's default, or ``[CoreAttention, LlamaMLP]``) are recomputed. Unlike NxDT, a name
+  ``[CoreAttention]``, NxDT's default, ``[CoreAttention, LlamaMLP]`` or ``[LlamaRMSNorm, ActivationMultiplyMLP]``;
+  NxDT's ``LlamaRMSNorm`` is nxd_lc's ``RMSNorm``) are recomputed. Unlike NxDT, a name
   that matches no module class of the decoder layers is an error (NxDT silently skips it).
 
 Mechanism: the chosen modules' ``forward`` is replaced, on the instance, by
@@ -44,6 +45,8 @@ __all__ = [
 ]
 
 GRANULARITIES = (None, "selective", "full")
+#: NxDT's module class names for ``activations_checkpoint_recompute`` that differ from nxd_lc's.
+NXDT_MODULE_ALIASES = {"LlamaRMSNorm": "RMSNorm"}
 _FLAG = "_nxd_activation_checkpointed"
 
 
@@ -123,6 +126,7 @@ def _selective_targets(model: nn.Module, layers: list[tuple[int, nn.Module]],
                        names: list[str]) -> list[tuple[str, nn.Module]]:
     """(qualified name, module) of every module in ``layers`` whose class name is in ``names``."""
     valid = recomputable_module_names(model)
+    names = [NXDT_MODULE_ALIASES.get(n, n) for n in names]
     if not names:
         raise ValueError("model.activations_checkpoint_recompute: 'selective' granularity needs module class "
                          f"names to recompute, e.g. [CoreAttention]; valid names: {valid}")

@@ -33,7 +33,16 @@ from nxd_lc.layers import ColumnParallelLinear, RowParallelLinear
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.layers.tiled import check_chunk_size, tiled_apply
 
-__all__ = ["LlamaMLP"]
+__all__ = ["ActivationMultiplyMLP", "LlamaMLP"]
+
+
+class ActivationMultiplyMLP(nn.Module):
+    """``silu(gate) * up`` ([..., I/tp] each -> [..., I/tp]): the SwiGLU product as its own module, under NxDT's
+    name, so ``model.activations_checkpoint_recompute: [ActivationMultiplyMLP]`` can recompute it (it has no
+    parameters)."""
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
 
 
 class LlamaMLP(nn.Module):
@@ -80,18 +89,19 @@ class LlamaMLP(nn.Module):
             intermediate_size, hidden_size, bias=bias, input_is_parallel=True,
             sequence_parallel_enabled=sequence_parallel_enabled, **common,
         )
+        self.act_mul = ActivationMultiplyMLP()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S(/tp), H] -> [B, S(/tp), H]; tiled over tokens when ``tiled_chunk_size`` is set."""
         if self.tiled_chunk_size is not None:
             return self._tiled_forward(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [B, S, I/tp]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(self.act_mul(gate, up))
 
     def _local_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Rank-local part, no communication: x [N, H] (in the TP region) -> partial sums [N, H]."""
         gate, up = F.linear(x, self.gate_up_proj.weight, self.gate_up_proj.bias).chunk(2, dim=-1)  # [N, I/tp]
-        return F.linear(F.silu(gate) * up, self.down_proj.weight)
+        return F.linear(self.act_mul(gate, up), self.down_proj.weight)
 
     def _tiled_forward(self, x: torch.Tensor) -> torch.Tensor:
         """Same as the untiled forward (same collectives), with the local part tiled over tokens."""
