@@ -244,8 +244,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         log.info("%s", resolve_precision(cfg).describe())
         log.info("log dir: %s", paths.log_dir)
     pl.seed_everything(cfg.seed, workers=True)
-    hf_config, model = build_model(cfg)
-    model.to(runtime.device)
+    hf_config, model = _build_and_move(cfg, runtime)
     data = _data_module(cfg, hf_config.vocab_size)
     module = _lightning_module(cfg, model, data)
     exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
@@ -262,6 +261,19 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
     if peft_config(cfg) is not None and not cfg.prewarm:
         save_lora_outputs(cfg, model, paths.log_dir, runtime.rank == 0)
     return trainer
+
+
+def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
+    """:func:`build_model` and the move to the device, in waves of ``trainer.sequential_move_factor`` ranks per
+    node (:mod:`nxd_lc.runtime.startup`)."""
+    from nxd_lc.runtime.startup import run_in_waves
+
+    def build() -> tuple[Any, Any]:
+        hf_config, model = build_model(cfg)
+        return hf_config, model.to(runtime.device)
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.devices))
+    return run_in_waves(build, cfg.trainer.sequential_move_factor, runtime.local_rank, local_world)
 
 
 def _data_module(cfg: NxdConfig, vocab_size: int) -> Any:

@@ -11,6 +11,7 @@ non-default value with ``not supported yet: <key>`` before anything is built (se
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
@@ -37,7 +38,7 @@ class TrainerConfig:
     gradient_clip_val: Optional[float] = None  # clip the global (TP/DP-aware) gradient 2-norm to this value
     enable_progress_bar: bool = True  # show Lightning's progress bar on rank 0
     lnc: Optional[int] = None  # Trainium2 logical NeuronCore config (Trainium issue)
-    sequential_move_factor: Optional[int] = None  # Trainium2: ranks that move the model to device at a time
+    sequential_move_factor: Optional[int] = None  # ranks per node that build / move the model at a time (None: all)
 
 
 @dataclass
@@ -103,26 +104,38 @@ class TokenizerConfig:
     chat_template: Optional[str] = "default"  # alignment: default (the tokenizer's own) | null (concat) | jinja
 
 
+#: Effective values of the ``data`` keys whose schema default is None, so that validation can tell a key that was
+#: set from one that was not (pretraining-only keys in an alignment run and the reverse are errors). Readers use
+#: :meth:`DataConfig.resolved`.
+DATA_KEY_DEFAULTS: Dict[str, Any] = {"val_fraction": 0.05, "text_key": "text", "cross_document_attention": False,
+                                     "input_key": "input", "output_key": "output"}
+
+
 @dataclass
 class DataConfig:
-    """``data:`` — batch sizes and the pretraining corpus."""
+    """``data:`` — batch sizes and the corpus (pretraining) or the records (alignment)."""
 
     micro_batch_size: int = 1  # sequences per rank per forward pass
     global_batch_size: int = 1  # sequences per optimizer step over all DP ranks (sets grad accumulation)
     train_dir: Optional[str] = None  # dir/glob of text files, a .jsonl file, or a datasets save_to_disk dir
     val_dir: Optional[str] = None  # same kinds as train_dir; None = held-out split of the train corpus
-    builtin_corpus: Optional[str] = None  # 'python_stdlib': this interpreter's stdlib sources (no download)
-    val_fraction: float = 0.05  # share of files held out for validation when val_dir is None
-    file_glob: str = "**/*"  # pattern applied inside a train_dir/val_dir directory of text files
-    text_key: str = "text"  # jsonl / datasets column holding the document text
+    builtin_corpus: Optional[str] = None  # pretraining: 'python_stdlib', this interpreter's stdlib sources
+    val_fraction: Optional[float] = None  # pretraining: share of files held out when val_dir is None (unset: 0.05)
+    file_glob: str = "**/*"  # pattern applied inside a train_dir/val_dir directory of text / .jsonl files
+    text_key: Optional[str] = None  # pretraining: jsonl / datasets column with the document text (unset: text)
     seq_length: Optional[int] = None  # training tokens per sequence, <= model.encoder_seq_length (default: equal)
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
-    cross_document_attention: bool = False  # False: attention stays inside each packed document (ProLong)
+    cross_document_attention: Optional[bool] = None  # pretraining: true attends across packed documents (unset: false)
     dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
-    input_key: str = "input"  # alignment (NxDT SFT records): key of the prompt text
-    output_key: str = "output"  # alignment (NxDT SFT records): key of the response text
+    input_key: Optional[str] = None  # alignment (NxDT SFT records): key of the prompt text (unset: input)
+    output_key: Optional[str] = None  # alignment (NxDT SFT records): key of the response text (unset: output)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+
+    def resolved(self) -> DataConfig:
+        """A copy with every unset key of :data:`DATA_KEY_DEFAULTS` at its effective value (what readers use)."""
+        unset = {k: v for k, v in DATA_KEY_DEFAULTS.items() if getattr(self, k, None) is None}
+        return dataclasses.replace(self, **unset)
 
 
 @dataclass

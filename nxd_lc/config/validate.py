@@ -20,7 +20,7 @@ from typing import Any, Mapping
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from nxd_lc.config.alignment_schema import validate_alignment
+from nxd_lc.config.alignment_schema import pretraining_data_problems, validate_alignment
 from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig, peft_problems
 from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.config.schema import KEY_ALIASES, MOVED_KEYS, NxdConfig
@@ -333,7 +333,7 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
         if cfg.distributed_strategy.sequence_parallel and tp >= 1 and s % tp != 0:
             p.append(f"data.seq_length: {s} must be divisible by tensor_model_parallel_size {tp} when "
                      f"distributed_strategy.sequence_parallel is true")
-    if not 0.0 <= d.val_fraction < 1.0:
+    if d.val_fraction is not None and not 0.0 <= d.val_fraction < 1.0:
         p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
     if d.builtin_corpus not in (None, "python_stdlib"):
         p.append(f"data.builtin_corpus: unknown corpus {d.builtin_corpus!r}; the built-in one is 'python_stdlib'")
@@ -502,6 +502,8 @@ def _alignment_problems(cfg: NxdConfig) -> list[str]:
     """``model_alignment_strategy`` (with its ``peft``: LoRA) and the alignment ``data.*`` keys."""
     peft = peft_config(cfg)
     p = validate_alignment(cfg.model_alignment_strategy, cfg.data, seq_length(cfg)) + peft_problems(peft)
+    if cfg.model_alignment_strategy is None:
+        p += pretraining_data_problems(cfg.data)
     strategy = cfg.model_alignment_strategy
     if strategy is not None and (strategy.dpo is not None or strategy.orpo is not None):
         if cfg.model.tiled_loss_chunk_size:
@@ -609,6 +611,10 @@ def _pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     p: list[str] = []
     if pp < 1 or vpp < 1:
         return p
+    smf = cfg.trainer.sequential_move_factor
+    if smf is not None and smf < 1:
+        p.append(f"trainer.sequential_move_factor: must be >= 1 (ranks per node that build / move the model at a "
+                 f"time) or null, got {smf}")
     if vpp > 1 and pp == 1:
         p.append(f"distributed_strategy.virtual_pipeline_model_parallel_size: {vpp} needs "
                  "pipeline_model_parallel_size > 1; set it to 1 or raise pipeline_model_parallel_size")
@@ -670,8 +676,6 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
          ds.pipeline_model_parallel_size),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
-        (cfg.trainer.sequential_move_factor is not None, "trainer.sequential_move_factor",
-         cfg.trainer.sequential_move_factor),
         (em.async_checkpointing, "exp_manager.async_checkpointing", em.async_checkpointing),
         (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
          em.enable_recovery_time_instrumentation),
