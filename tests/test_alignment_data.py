@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 import pytest
@@ -54,18 +53,9 @@ TRAIN_TEXT = ["the quick brown fox jumps over the lazy dog", "hello world, how a
 SEQ = 256
 
 
-# DataConfig / TokenizerConfig with the alignment keys (harmless once schema.py carries them itself).
-@dataclass
-class AlignmentTokenizerConfig(TokenizerConfig):
-    chat_template: Optional[str] = "default"
-
-
-@dataclass
-class AlignmentDataConfig(DataConfig):
-    dev_choose_samples: Optional[int] = None
-    input_key: str = "input"
-    output_key: str = "output"
-    tokenizer: AlignmentTokenizerConfig = field(default_factory=AlignmentTokenizerConfig)
+# The schema's own sections: input_key / output_key unset (None) must read NxDT's {"input", "output"} records.
+AlignmentTokenizerConfig = TokenizerConfig
+AlignmentDataConfig = DataConfig
 
 
 @pytest.fixture(scope="module")
@@ -104,6 +94,20 @@ def test_nxdt_input_output_targets_only_output(tok: PreTrainedTokenizerFast) -> 
     assert tok.decode(enc.input_ids[~enc.target_mask].tolist()) == "how are you?"
     with pytest.raises(ValueError, match=r"rec: .*'question' and 'answer'.*found keys \['input', 'output'\]"):
         fmt.encode_sft({"input": "a", "output": "b"}, "rec")
+
+
+def test_unset_record_keys_read_nxdt_input_output(tok: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    """data.input_key / data.output_key unset (None in the schema, so validation can see they were not set) read
+    NxDT's SFT records {"input", "output"}; set, they name other keys."""
+    recs = [{"input": f"question {i}?", "output": f"answer {i}"} for i in range(4)]
+    dm = _module(tok, _write(tmp_path / "sft.jsonl", recs), ModelAlignmentStrategyConfig(sft=SFTConfig()))
+    assert DataConfig().input_key is None and len(dm.train_dataset) == 4
+    row = dm.train_dataset[0]
+    assert tok.decode(row["labels"][row["labels"] != -100].tolist()) == "answer 0<|im_end|>"  # labels: the targets
+    renamed = [{"q": r["input"], "a": r["output"]} for r in recs]
+    dm = _module(tok, _write(tmp_path / "qa.jsonl", renamed), ModelAlignmentStrategyConfig(sft=SFTConfig()),
+                 input_key="q", output_key="a")
+    assert len(dm.train_dataset) == 4
 
 
 def test_chat_every_assistant_turn_is_a_target(tok: PreTrainedTokenizerFast) -> None:

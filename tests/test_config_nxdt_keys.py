@@ -146,3 +146,46 @@ def test_values_the_type_agrees_with_or_manual_are_fine(caplog: Any) -> None:
         load_config(_cp1(precision={"type": "manual", "xla_use_bf16": "1", "xla_downcast_bf16": "1",
                                     "neuron_rt_stochastic_rounding_en": "1"}))
     assert "is overridden" not in caplog.text
+
+
+# ---- alignment-only and pretraining-only data keys -----------------------------------------------------------
+
+ALIGNMENT = {"model_alignment_strategy": {"sft": {}}, "data": {"train_dir": "records.jsonl"}}
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"input_key": "question"}, "data.input_key"),
+    ({"output_key": "input"}, "data.output_key"),  # even the value an alignment run would use by default
+    ({"dev_choose_samples": 100}, "data.dev_choose_samples"),
+    ({"tokenizer": {"chat_template": None}}, "data.tokenizer.chat_template"),
+    ({"tokenizer": {"chat_template": "{{ messages }}"}}, "data.tokenizer.chat_template"),
+])
+def test_alignment_key_in_a_pretraining_run_is_an_error(data: dict[str, Any], key: str) -> None:
+    problems = _problems(_cp1(data=data))
+    assert len(problems) == 1 and problems[0].startswith(f"{key}: an alignment key"), problems
+    assert "model_alignment_strategy" in problems[0]
+
+
+@pytest.mark.parametrize("data,key", [
+    ({"val_fraction": 0.05}, "data.val_fraction"),  # set explicitly, even to the pretraining default
+    ({"text_key": "text"}, "data.text_key"),
+    ({"cross_document_attention": False}, "data.cross_document_attention"),
+    ({"builtin_corpus": "python_stdlib"}, "data.builtin_corpus"),
+])
+def test_pretraining_key_in_an_alignment_run_is_an_error(data: dict[str, Any], key: str) -> None:
+    raw = _cp1(**ALIGNMENT)
+    raw["data"].update(data)
+    problems = _problems(raw)
+    assert len(problems) == 1 and problems[0].startswith(f"{key}: a pretraining"), problems
+
+
+def test_each_kind_of_run_takes_its_own_keys_and_the_shared_ones() -> None:
+    pretrain = load_config(_cp1(data={"val_fraction": 0.1, "text_key": "body", "cross_document_attention": True,
+                                      "file_glob": "*.txt", "tokenizer": {"chat_template": "default"}}))
+    assert pretrain.data.resolved().val_fraction == 0.1 and pretrain.data.file_glob == "*.txt"
+    raw = _cp1(**ALIGNMENT)
+    raw["data"].update({"input_key": "q", "output_key": "a", "dev_choose_samples": 8, "file_glob": "*.jsonl",
+                        "tokenizer": {"chat_template": None}})
+    aligned = load_config(raw)
+    assert (aligned.data.input_key, aligned.data.dev_choose_samples) == ("q", 8)
+    assert aligned.data.tokenizer.chat_template is None  # null: concatenate the messages

@@ -108,6 +108,35 @@ ALIGNMENT_KEY_ALIASES: tuple[tuple[str, str], ...] = (
 )
 
 
+#: ``data`` keys only a pretraining run reads (set = not None), with why an alignment run does not.
+PRETRAINING_ONLY_DATA_KEYS: dict[str, str] = {
+    "builtin_corpus": "a pretraining corpus; alignment reads records from data.train_dir",
+    "val_fraction": "a pretraining key (held-out share of the corpus); alignment validates on data.val_dir only",
+    "text_key": "a pretraining key (the text column); alignment records are NxDT input/output (data.input_key / "
+                "data.output_key), chat messages or prompt/chosen/rejected",
+    "cross_document_attention": "a pretraining key; alignment examples are always document-masked (each example "
+                                "sees only itself, packed or not)",
+}
+#: ``data`` keys only an alignment run reads (set = not None), with why a pretraining run does not.
+ALIGNMENT_ONLY_DATA_KEYS: dict[str, str] = {
+    "input_key": "an alignment key (NxDT SFT records); pretraining reads documents with data.text_key",
+    "output_key": "an alignment key (NxDT SFT records); pretraining reads documents with data.text_key",
+    "dev_choose_samples": "an alignment key (first N records); pretraining reads the whole corpus",
+}
+
+
+def pretraining_data_problems(data: Any) -> List[str]:
+    """A pretraining run (no ``model_alignment_strategy``): alignment-only ``data`` keys that are set, each an
+    error naming the key (they would be ignored). ``data.tokenizer.chat_template`` counts as set when it is not
+    ``default`` (null is a value of its own: concatenate the messages)."""
+    errors = [f"data.{key}: {why}; remove it, or add model_alignment_strategy" for key, why in
+              ALIGNMENT_ONLY_DATA_KEYS.items() if getattr(data, key, None) is not None]
+    if data.tokenizer.chat_template != DEFAULT_CHAT_TEMPLATE:
+        errors.append("data.tokenizer.chat_template: an alignment key; pretraining text is not rendered with a chat "
+                      "template; remove it, or add model_alignment_strategy")
+    return errors
+
+
 def resolved_max_prompt_length(max_prompt_length: Optional[int], seq_length: int) -> int:
     """The prompt cap in tokens: ``max_prompt_length``, or ``seq_length // 2`` when None."""
     return seq_length // 2 if max_prompt_length is None else int(max_prompt_length)
@@ -169,12 +198,8 @@ def validate_alignment(strategy: Optional[ModelAlignmentStrategyConfig], data: A
                       ".jsonl files or a datasets save_to_disk directory")
     if getattr(data, "dev_choose_samples", None) is not None and data.dev_choose_samples < 1:
         errors.append(f"data.dev_choose_samples: must be >= 1 or null, got {data.dev_choose_samples}")
-    if getattr(data, "builtin_corpus", None) is not None:
-        errors.append("data.builtin_corpus: a pretraining corpus; alignment reads records from data.train_dir, "
-                      "remove data.builtin_corpus")
-    if algorithm == "sft" and strategy.sft.packing and getattr(data, "cross_document_attention", False):
-        errors.append("data.cross_document_attention: packed SFT examples are always document-masked (each "
-                      "example sees only itself); set it to false")
+    errors += [f"data.{key}: {why}; remove it" for key, why in PRETRAINING_ONLY_DATA_KEYS.items()
+               if getattr(data, key, None) is not None]
     prefix = f"model_alignment_strategy.{algorithm}"
     sub = getattr(strategy, algorithm)
     _check_truncation(f"{prefix}.truncation_mode", sub.truncation_mode, errors)

@@ -95,7 +95,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         if global_batch_size % (data_cfg.micro_batch_size * data_parallel_size) != 0:
             raise ValueError(f"data.global_batch_size: {global_batch_size} is not divisible by micro_batch_size x "
                              f"DP = {data_cfg.micro_batch_size} x {data_parallel_size}")
-        self.cfg = data_cfg
+        self.cfg = data_cfg.resolved()  # unset pretraining / alignment keys at their effective values
         self.seq_length = seq_length
         self.seed = seed
         self.model_vocab_size = model_vocab_size

@@ -228,7 +228,7 @@ def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: s
                          f"{seq_length(cfg)}, fewer than {num_samples}; lower --num-samples or raise "
                          f"data.val_fraction")
     collate = functools.partial(collate_packed, eos_id=dm.eos_token_id,
-                                cross_document_attention=cfg.data.cross_document_attention)
+                                cross_document_attention=dm.cfg.cross_document_attention)
     return [collate([dataset[i]]) for i in range(dp_rank, num_samples, dp_size)]
 
 
@@ -261,7 +261,7 @@ def evaluate_run_config(cfg: Any, hf_dir: str, edges: Sequence[int], num_samples
     rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
     result["meta"] = {"config": cfg.name, "hf_dir": os.path.abspath(hf_dir), "split": split,
                       "num_samples": num_samples, "seq_length": int(batches[0]["input_ids"].shape[1]),
-                      "cross_document_attention": cfg.data.cross_document_attention, "rope": rope,
+                      "cross_document_attention": cfg.data.resolved().cross_document_attention, "rope": rope,
                       "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
                       "context_parallel_size": ps.get_context_parallel_world_size()}
     return result
