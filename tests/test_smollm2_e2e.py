@@ -86,3 +86,27 @@ def test_smollm2_sft_then_dpo_with_lora(tmp_path: Path) -> None:
     state, _, _ = sharded.load_checkpoint(str(tag.parent), tag.name, dp_rank=0, tp_rank=0, pp_rank=0,
                                           load_optim=False)
     assert state and all(is_lora_key(k) for k in state)
+
+
+def test_smollm2_sft_lora_with_pipeline_parallelism(tmp_path: Path) -> None:
+    """Packed SFT with LoRA at PP=2 (one layer per stage; SmolLM2's tied embedding split over the first and
+    last stage): trains, and the end-of-run adapter file and merged HF model hold every stage's part."""
+    import torch
+    from safetensors.torch import load_file
+
+    model = _model_dir()
+    data = _write_data(tmp_path / "data")
+    log = tmp_path / "sft_pp"
+    text = _run("cpu_smollm2_sft_config", model, data, log, model, [
+        "distributed_strategy.context_parallel_size=1", "distributed_strategy.pipeline_model_parallel_size=2",
+        "+model_alignment_strategy.peft.lora_rank=8", "+model_alignment_strategy.peft.merge_lora=true",
+        "+model_alignment_strategy.peft.target_modules=[qkv_proj,down_proj]"])
+    assert "val_loss" in text and "LoRA rank 8" in text
+    adapters = torch.load(log / "lora" / "adapters.pt", weights_only=True)
+    assert {k.split(".")[1] for k in adapters if k.startswith("layers.")} == {"0", "1"}, sorted(adapters)
+    merged = load_file(log / "hf_merged" / "model.safetensors")
+    assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+            "model.layers.1.mlp.down_proj.weight", "model.norm.weight"} <= set(merged)
+    tag = next(p for p in (log / "checkpoints").iterdir() if p.is_dir())
+    assert sorted(p.name for p in (tag / "model").iterdir() if p.suffix == ".pt") == [
+        "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_01.pt"]

@@ -68,10 +68,12 @@ def save_adapters(model: nn.Module, peft: PeftConfig, out_dir: str, is_rank0: bo
     """Write the adapters of ``model`` under ``out_dir`` (module doc). Collective over TP with
     ``merge_sharded_lora`` (every rank calls it). Returns the adapter file (or shard directory)."""
     from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.distributed.gather import gather_pipeline_stages
     from nxd_lc.layers.lora import lora_state_dict
 
-    if peft.merge_sharded_lora:
-        adapters, name, writer = lora_state_dict(model, full=True), "adapters.pt", is_rank0
+    if peft.merge_sharded_lora:  # full over TP, and every pipeline stage's adapters in the one file
+        adapters = gather_pipeline_stages(lora_state_dict(model, full=True), rank0_only=True)
+        name, writer = "adapters.pt", is_rank0
     else:
         adapters, name = lora_state_dict(model, full=False), shard_file_name()
         writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
@@ -107,7 +109,8 @@ def load_adapters(model: nn.Module, peft: PeftConfig, path: str) -> None:
         FileNotFoundError: the file (or this rank's shard) does not exist.
         ValueError: the saved settings differ from ``peft`` (naming the keys), or the adapters do not fit.
     """
-    from nxd_lc.layers.lora import load_lora_state_dict
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.layers.lora import load_lora_state_dict, lora_state_dict
 
     sharded = os.path.isdir(path)
     file = os.path.join(path, shard_file_name()) if sharded else path
@@ -121,4 +124,7 @@ def load_adapters(model: nn.Module, peft: PeftConfig, path: str) -> None:
             saved = json.load(f)
     if saved is not None:
         _check_settings(saved, peft, file)
+    if not sharded and ps.get_pipeline_model_parallel_world_size() > 1:  # this stage's adapters of the full file
+        local = set(lora_state_dict(model, full=False))
+        state = {k: v for k, v in state.items() if k in local}
     load_lora_state_dict(model, state, full=not sharded)

@@ -30,7 +30,6 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -39,6 +38,7 @@ from torch import nn
 from typing_extensions import Self
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.distributed.gather import gather_pipeline_stages
 from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
 from nxd_lc.models.llama.model import LlamaForCausalLM
 
@@ -327,29 +327,6 @@ def _on_other_stage(model: LlamaForCausalLM, hf_name: str) -> bool:
     return False
 
 
-def _gather_pipeline_stages(out: dict[str, torch.Tensor], rank0_only: bool) -> dict[str, torch.Tensor]:
-    """Merge the per-stage exports of all pipeline stages (collective over the PP group; no-op at PP 1).
-
-    With ``rank0_only`` only pipeline rank 0 (which holds global rank 0) receives the merged dict."""
-    group = parallel_state.get_pipeline_model_parallel_group()
-    if collectives.group_size(group) == 1:
-        return out
-    import torch.distributed as dist
-
-    parts: list[Any] = [None] * collectives.group_size(group)
-    if rank0_only:
-        first = parallel_state.get_group_ranks("pp")[0]
-        dist.gather_object(out, parts if collectives.get_global_rank() == first else None, dst=first, group=group)
-        if collectives.get_global_rank() != first:
-            return {}
-    else:
-        dist.all_gather_object(parts, out, group=group)
-    merged: dict[str, torch.Tensor] = {}
-    for part in parts:
-        merged.update(part or {})
-    return merged
-
-
 def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
     """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds)."""
     if e.kind == "qkv":
@@ -391,7 +368,7 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
         if keep:
             for name, t in zip(e.hf_names, tensors):
                 out[name] = t.to(device="cpu", dtype=dtype or t.dtype, copy=True).contiguous()
-    return _gather_pipeline_stages(out, rank0_only)
+    return gather_pipeline_stages(out, rank0_only)
 
 
 def _split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
