@@ -5,6 +5,7 @@ overrides; alignment-only / pretraining-only ``data`` keys; and every NxDT Llama
 from __future__ import annotations
 
 import copy
+import json
 import os
 from typing import Any
 
@@ -189,3 +190,62 @@ def test_each_kind_of_run_takes_its_own_keys_and_the_shared_ones() -> None:
     aligned = load_config(raw)
     assert (aligned.data.input_key, aligned.data.dev_choose_samples) == ("q", 8)
     assert aligned.data.tokenizer.chat_template is None  # null: concatenate the messages
+
+
+# ---- NxDT's Llama example configs, and conf/'s copies of them -------------------------------------------------
+
+REF = os.path.join(os.path.dirname(REPO), "shared", "reference", "nxdt_examples")
+NXDT_LLAMA = sorted(n[:-5] for n in os.listdir(REF) if n.startswith("hf_llama") and n.endswith(".yaml")) \
+    if os.path.isdir(REF) else []
+needs_reference = pytest.mark.skipif(not NXDT_LLAMA, reason="NxDT's example configs are not in ../shared/reference")
+
+
+def _ours(name: str) -> Any:
+    from omegaconf import OmegaConf
+
+    return OmegaConf.load(os.path.join(REPO, "conf", f"{name}.yaml"))
+
+
+@needs_reference
+@pytest.mark.parametrize("name", NXDT_LLAMA)
+def test_nxdt_llama_example_validates(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxDT's own file, unchanged but for model.model_config (its /home/ubuntu/config.json), validates for its own
+    world size and needs no feature that is not supported yet (off Trainium)."""
+    from omegaconf import OmegaConf
+
+    from nxd_lc.config.validate import unsupported_features
+    from nxd_lc.runtime import xla
+
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(xla, "neuron_available", lambda: False)
+    raw = OmegaConf.load(os.path.join(REF, f"{name}.yaml"))
+    raw.model.model_config = _ours(name).model.model_config
+    cfg = load_config(raw)
+    assert unsupported_features(cfg) == []
+    if cfg.model_alignment_strategy is not None:  # NxDT's SFT / DPO / ORPO: 4096-token data on the 8B model
+        assert cfg.data.seq_length <= cfg.model.encoder_seq_length
+        assert cfg.exp_manager.ckpt_ptl_version == "1.8.6"
+    if "lora" in name:
+        assert cfg.model_alignment_strategy.peft.lora_rank == 16 and cfg.model_alignment_strategy.sft.packing
+    if "_CP_" in name:
+        assert cfg.model.fusions.ring_attention and cfg.distributed_strategy.context_parallel_algo == "ring"
+
+
+@needs_reference
+@pytest.mark.parametrize("name", NXDT_LLAMA)
+def test_conf_copy_is_nxdt_key_for_key(name: str) -> None:
+    """conf/<name>.yaml has NxDT's keys, structure and values; only model.model_config points at a shipped file."""
+    from omegaconf import OmegaConf
+
+    ours = OmegaConf.to_container(_ours(name))
+    theirs = OmegaConf.to_container(OmegaConf.load(os.path.join(REF, f"{name}.yaml")))
+    shipped = ours["model"].pop("model_config")
+    assert theirs["model"].pop("model_config").startswith("/home/ubuntu/")
+    assert ours == theirs
+    assert shipped.startswith("conf/") and os.path.isfile(os.path.join(REPO, shipped))
+    with open(os.path.join(REPO, shipped)) as f:  # the shipped architecture agrees with NxDT's YAML overrides
+        arch = json.load(f)
+    model = ours["model"]
+    assert (arch["hidden_size"], arch["num_hidden_layers"]) == (model["hidden_size"], model["num_layers"])
+    assert arch["rope_theta"] == model["rope_theta"] and arch["max_position_embeddings"] >= model["encoder_seq_length"]
+    assert ("3.1" in name) == (arch["rope_scaling"] is not None)  # Llama 3.1 ships llama3 RoPE scaling
