@@ -628,7 +628,18 @@ def _pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     layers = cfg.model.num_layers if cfg.model.num_layers not in (None, -1) else (hf or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         p += split_problems(layers, pp, vpp, cfg.model.pipeline_cuts)
-    return p
+    return p + _pipeline_on_xla_problems(cfg, cfg.trainer.accelerator)
+
+
+def _pipeline_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
+    """The pipeline schedule sends activations point to point, which the torch-xla process group does not offer
+    (as for ring attention): reject PP > 1 on xla / neuron before anything is built."""
+    pp = cfg.distributed_strategy.pipeline_model_parallel_size
+    if pp <= 1 or accelerator not in ("xla", "neuron"):
+        return []
+    return [f"distributed_strategy.pipeline_model_parallel_size: pipeline parallelism ({pp} stages) is not "
+            f"available on trainer.accelerator {accelerator} (the XLA process group has no point-to-point "
+            "send/recv for the activations between stages); set it to 1, or run on trainer.accelerator cpu / gpu"]
 
 
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
@@ -684,15 +695,18 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
 
 
 def _auto_ring_on_xla(cfg: NxdConfig) -> list[str]:
-    """``trainer.accelerator: auto`` resolves to neuron on a Trainium host: ring CP is then not available either
-    (explicit xla / neuron are rejected by validation, :func:`_ring_on_xla_problems`)."""
+    """``trainer.accelerator: auto`` resolves to neuron on a Trainium host: ring CP and pipeline parallelism are
+    then not available either (explicit xla / neuron are rejected by validation, :func:`_ring_on_xla_problems`,
+    :func:`_pipeline_on_xla_problems`)."""
     ds = cfg.distributed_strategy
-    if cfg.trainer.accelerator != "auto" or ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring":
+    ring = ds.context_parallel_size > 1 and ds.context_parallel_algo == "ring"
+    if cfg.trainer.accelerator != "auto" or not (ring or ds.pipeline_model_parallel_size > 1):
         return []
     from nxd_lc.runtime.xla import neuron_available  # auto picks neuron first (nxd_lc.runtime.device)
 
     return ["not supported yet: " + p.replace("trainer.accelerator neuron", "trainer.accelerator auto (= neuron here)")
-            for p in _ring_on_xla_problems(cfg, "neuron")] if neuron_available() else []
+            for p in _ring_on_xla_problems(cfg, "neuron") + _pipeline_on_xla_problems(cfg, "neuron")] \
+        if neuron_available() else []
 
 
 def check_supported(cfg: NxdConfig) -> None:
