@@ -170,6 +170,7 @@ def _pretrain(root: Path, files: dict[str, Path]) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.lane1_only
 @pytest.mark.parametrize("source,path", _configs(), ids=lambda v: v.stem if isinstance(v, Path) else v)
 def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Path], tmp_path: Path) -> None:
     tree = yaml.safe_load(path.read_text())

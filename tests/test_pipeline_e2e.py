@@ -49,6 +49,7 @@ def _convert(conf_overrides: list[str], tag: str, out_dir: str, nproc: int) -> d
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.lane1_only
 def test_pp2_trains_as_pp1_checkpoints_resumes_and_converts(tmp_path) -> None:
     corpus, cache = _small_corpus(str(tmp_path)), str(tmp_path / "cache")
     pp2_dir, pp1_dir = str(tmp_path / "pp2"), str(tmp_path / "pp1")
@@ -79,6 +80,7 @@ def test_pp2_trains_as_pp1_checkpoints_resumes_and_converts(tmp_path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.lane1_only
 def test_pp2_dp2_zero1_mixed_precision_memory_techniques_match_pp1(tmp_path) -> None:
     corpus, cache = _small_corpus(str(tmp_path)), str(tmp_path / "cache")
     extra = ["distributed_strategy.zero1=true", "precision.type=mixed_precisionSR",
