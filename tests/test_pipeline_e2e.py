@@ -1,5 +1,6 @@
 """Pipeline parallelism end to end through ``train.py`` (torchrun, gloo): a PP=2 run trains exactly as the PP=1
-run of the same config (per-step loss, gradient norm, parameter norm, validation loss), writes real
+run of the same config (per-step loss, gradient norm, parameter norm, validation loss; also with interleaved
+1F1B, virtual_pipeline_model_parallel_size 2), writes real
 ``pp_rank_XX`` model and optimizer shards, resumes, and converts to the same HF weights as the PP=1 checkpoint
 (the converter gathers the stages). A PP=2 x DP=2 run composes ZeRO-1, mixed precision with stochastic rounding,
 gradient clipping, activation checkpointing and tiled loss / MLP, against the PP=1 x DP=2 run of that config.
@@ -59,6 +60,12 @@ def test_pp2_trains_as_pp1_checkpoints_resumes_and_converts(tmp_path) -> None:
     for step in (1, 2, 3, 4):  # loss, grad norm, param norm as printed (4 decimals / 3 / 2)
         assert pp2[0][step] == pytest.approx(pp1[0][step], abs=2e-4), (step, pp2[0][step], pp1[0][step])
     assert pp2[1] == pytest.approx(pp1[1], abs=2e-4)
+    # interleaved 1F1B (2 stages per rank, 4 micro-batches) and its forward-only validation: the same numbers
+    vpp = _metrics(_run(_pp_cmd(str(tmp_path / "vpp"), corpus, cache, 4, pp=2, nproc=2,
+                                extra=["distributed_strategy.virtual_pipeline_model_parallel_size=2"])))
+    for step in (1, 2, 3, 4):
+        assert vpp[0][step] == pytest.approx(pp1[0][step], abs=2e-4), (step, vpp[0][step], pp1[0][step])
+    assert vpp[1] == pytest.approx(pp1[1], abs=2e-4)
     assert pp2[0][4][0] < pp2[0][1][0]  # it learns
     tag = "cpu_tiny_llama--step=4-consumed_samples=16.0"
     last = os.path.join(pp2_dir, "checkpoints", tag)

@@ -114,7 +114,7 @@ class PipelineEngine:
             raise ValueError(f"pipeline: a batch of {rows} rows is not a whole number of micro-batches of "
                              f"{self.micro_batch_size} (data.micro_batch_size)")
         n = rows // self.micro_batch_size
-        if self.virtual_size > 1 and n % self.pp:
+        if train and self.virtual_size > 1 and n % self.pp:
             raise ValueError(f"pipeline: interleaved 1F1B needs num_microbatches ({n}) divisible by "
                              f"pipeline_model_parallel_size ({self.pp})")
         positions = batch.get("position_ids")
