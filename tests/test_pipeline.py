@@ -4,7 +4,8 @@ A tiny random HF Llama (4 layers; untied and tied embeddings) is saved with save
 transformers in one process: the mean over micro-batches of each micro-batch's token-mean cross-entropy, and
 the gradients of that mean. nxd_lc runs the same batch with PP=2 (1F1B), PP=2 with virtual 2 (interleaved
 1F1B), and PP=2 x TP=2 with sequence parallelism on 4 processes, loading the HF weights per stage; the loss and
-every parameter's gradient (gathered over TP, tied embedding summed over stages) must match.
+every parameter's gradient (gathered over TP, tied embedding summed over stages) must match, and so must the
+global gradient norm (all stages, the tied embedding counted once).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from nxd_lc.distributed.grads import (
     allreduce_kv_replica_gradients,
     allreduce_sequence_parallel_gradients,
     allreduce_tied_embedding_gradients,
+    global_grad_norm,
 )
 from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, load_hf_weights
 from nxd_lc.pipeline import PipelineEngine, balanced_layer_counts, parse_pipeline_cuts, stage_layer_ranges
@@ -87,6 +89,9 @@ def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, re
     allreduce_sequence_parallel_gradients(model)
     allreduce_kv_replica_gradients(model)
     allreduce_tied_embedding_gradients(list(model.parameters()))
+    # one global norm over all stages and TP ranks, the tied embedding counted once (HF lists it once)
+    reference_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref["grads"].values()]))
+    torch.testing.assert_close(global_grad_norm(list(model.parameters())), reference_norm, atol=1e-5, rtol=1e-5)
     from nxd_lc.models.llama.hf_adapter import export_hf_state_dict
 
     # gradients in HF layout: swap each parameter with its gradient and export (gathers TP, splits qkv)

@@ -83,6 +83,10 @@ def test_pp2_trains_as_pp1_checkpoints_resumes_and_converts(tmp_path) -> None:
     steps, _ = _metrics(resumed)
     assert f"resuming from {last}" in resumed.stdout
     assert sorted(steps) == [5, 6]
+    # exact resume: the same steps as the PP=1 run resumed from its own step-4 checkpoint
+    steps1, _ = _metrics(_run(_pp_cmd(pp1_dir, corpus, cache, 6, pp=1, nproc=1, extra=[])))
+    for step in (5, 6):
+        assert steps[step] == pytest.approx(steps1[step], abs=2e-4), (step, steps[step], steps1[step])
 
 
 @pytest.mark.distributed
