@@ -13,6 +13,13 @@ step boundary (:meth:`_context_parallel_shard`, ring head-tail or Ulysses contig
 loss is ``local token-loss sum x cp / all CP ranks' token count``, so the DP x CP gradient average is the
 gradient of the micro-batch's token mean (:func:`nxd_lc.context.context_parallel_loss`).
 
+Pipeline parallelism (``pipeline_model_parallel_size > 1``): a training batch holds all micro-batches of the step
+(``num_microbatches x micro_batch_size`` rows) and :meth:`training_step` runs them through the
+:class:`~nxd_lc.pipeline.PipelineEngine` schedule, forward and backward; Lightning's gradient zeroing (between
+``training_step`` and ``backward``) and ``backward`` are therefore skipped (:meth:`optimizer_zero_grad`,
+:meth:`backward`) and gradients are zeroed before the schedule instead. The reductions, clipping and the optimizer
+step are the same as without pipelining (plus the tied-embedding all-reduce over the first and last stage).
+
 Static graphs (torch-xla / Neuron; README "XLA"): nothing in a step reads a device value back to the host
 (no ``.item()``, no printing, no Python branch on a tensor value), and metric tensors are computed inside the
 step and logged without ``prog_bar`` (Lightning converts progress-bar values to Python numbers every batch).
@@ -136,7 +143,9 @@ class NxDLanguageModel(pl.LightningModule):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Token-mean loss of the micro-batch (fp32 scalar); under CP, this rank's share of the mean over all
-        CP ranks' tokens, scaled by CP (see :func:`nxd_lc.context.context_parallel_loss`)."""
+        CP ranks' tokens, scaled by CP (see :func:`nxd_lc.context.context_parallel_loss`). Under PP the batch is
+        the whole step and the returned value is the (detached) mean micro-batch loss, gradients already
+        computed by the schedule."""
         batch = self._context_parallel_shard(batch)
         if self.pipeline is not None:  # all micro-batches of the step, forward and backward (1F1B)
             for optimizer in self.trainer.optimizers:
