@@ -36,22 +36,26 @@ def _configs() -> list[tuple[str, Path]]:
     return found
 
 
-def _get(tree: dict, dotted: str) -> object:
+_MISSING = object()
+
+
+def _lookup(tree: dict, dotted: str) -> object:
+    """The value at ``dotted`` in the YAML tree, or ``_MISSING`` when a part of the path is absent."""
     node: object = tree
     for part in dotted.split("."):
         if not isinstance(node, dict) or part not in node:
-            return None
+            return _MISSING
         node = node[part]
     return node
 
 
+def _get(tree: dict, dotted: str) -> object:
+    value = _lookup(tree, dotted)
+    return None if value is _MISSING else value
+
+
 def _has(tree: dict, dotted: str) -> bool:
-    node: object = tree
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return False
-        node = node[part]
-    return True
+    return _lookup(tree, dotted) is not _MISSING
 
 
 def _tiny_model_json(path: Path, vocab: int) -> Path:
