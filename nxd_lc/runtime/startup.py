@@ -7,6 +7,11 @@ weights on the host before keeping its shard, and on Trainium the host copy is f
 device, so at most ``f`` ranks of a node hold start-up host memory at the same time (NxD moves the model to the
 XLA device in the same grouped order). Every rank passes the same number of barriers, so all nodes (same
 ``trainer.devices``) stay in step. ``None`` (the default) builds on every rank at once.
+
+The wave barrier must really wait: torch-xla's process group returns from ``barrier`` at once (its
+``ProcessGroupXla.barrier`` is a completed no-op), so on the ``xla`` backend the waves meet at
+``xm.rendezvous`` instead, as Lightning's XLA strategy does. Written from torch-xla's source: multi-process XLA
+cannot run on the development machines, so that branch is untested here.
 """
 
 from __future__ import annotations
@@ -45,5 +50,17 @@ def run_in_waves(fn: Callable[[], T], factor: Optional[int], local_rank: int, lo
             log.info("sequential_move_factor %d: local rank %d builds its model in wave %d of %d", factor,
                      local_rank, wave + 1, waves)
             result = fn()
-        collectives.barrier()
+        _wave_barrier(wave)
     return result  # type: ignore[return-value]
+
+
+def _wave_barrier(wave: int) -> None:
+    """All ranks meet: ``dist.barrier`` (gloo / nccl), or ``xm.rendezvous`` on the xla backend (module doc)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and str(dist.get_backend()) == "xla":
+        import torch_xla.core.xla_model as xm
+
+        xm.rendezvous(f"nxd_lc_startup_wave_{wave}")
+        return
+    collectives.barrier()
