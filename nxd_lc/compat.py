@@ -66,6 +66,12 @@ def _torch_before(major: int, minor: int) -> bool:
     return version < (major, minor)
 
 
+def pipeline_eval_needs_stage_count_microbatches() -> bool:
+    """True on torch < 2.10, whose single-stage pipeline schedules (GPipe included, so forward-only runs too)
+    refuse fewer micro-batches than pipeline stages; torch >= 2.10 accepts any number for GPipe."""
+    return _torch_before(2, 10)
+
+
 def pipeline_stage_class() -> type:
     """``torch.distributed.pipelining.PipelineStage``, or on torch < 2.10 a subclass whose neighbour warm-up
     sends a float32 tensor, matching the float32 receive buffer (the upstream fix; see the module docstring)."""

@@ -84,10 +84,15 @@ def test_sequential_move_factor_validated() -> None:
     assert unsupported_features(load_config(raw, check_paths=False)) == []
 
 
-def test_preference_training_with_pipeline_is_not_supported_yet() -> None:
+def test_preference_training_with_pipeline_needs_precomputed_reference() -> None:
+    """DPO / ORPO train under PP; DPO's reference must then be the precomputed table (no per-step forward)."""
     raw = _cfg()
     raw["model_alignment_strategy"] = {"dpo": {}}
     raw["data"].update(tokenizer={"type": "bytelevel_bpe"}, train_dir="prefs.jsonl")
-    cfg = load_config(raw, check_paths=False)
-    assert unsupported_features(cfg) == ["not supported yet: distributed_strategy.pipeline_model_parallel_size "
-                                         "(with model_alignment_strategy dpo / orpo)=2"]
+    cfg = load_config(raw, check_paths=False)  # precompute_ref_log_probs defaults to true
+    assert unsupported_features(cfg) == []
+    raw["model_alignment_strategy"] = {"orpo": {}}
+    assert unsupported_features(load_config(raw, check_paths=False)) == []
+    raw["model_alignment_strategy"] = {"dpo": {"precompute_ref_log_probs": False}}
+    (p,) = _problems(raw)
+    assert p.startswith("model_alignment_strategy.dpo.precompute_ref_log_probs: false") and "set it true" in p

@@ -20,6 +20,15 @@ averaged over micro-batches and DP ranks and logged at the optimizer step withou
 metrics, e.g. ``logps/chosen``, ``nll_loss``, ``log_odds_ratio``). ``reduced_train_loss`` keeps its meaning: the
 DP mean of the micro-batch mean of the (unscaled) loss. Validation logs ``val_loss``,
 ``val_rewards/accuracies`` and ``val_rewards/margins``: means over all validation pairs of all DP ranks.
+
+Pipeline parallelism (``pipeline_model_parallel_size > 1``): a training batch holds the step's micro-batches; it
+is CP-sharded, given its reference log-probs (DPO: the precomputed table, looked up by ``sample_index``) and
+re-laid out once per step (:func:`~nxd_lc.alignment.pipeline.interleave_pairs_by_microbatch`), then the engine's
+schedule runs the pairs micro-batch by micro-batch with the preference loss on the last stage
+(:func:`~nxd_lc.alignment.pipeline.preference_objective`); the metrics are the same micro-batch means as above, on
+every rank. The reference table itself is computed through the pipeline, forward only
+(:func:`~nxd_lc.alignment.pipeline.reference_rows_objective`). A per-step reference forward (frozen copy or LoRA
+base, ``precompute_ref_log_probs: false``) is not available under PP (rejected by config validation).
 """
 
 from __future__ import annotations
@@ -31,6 +40,13 @@ import torch
 
 from nxd_lc.alignment.logprobs import mean_log_probs, sequence_log_probs, split_chosen_rejected
 from nxd_lc.alignment.losses import dpo_loss, orpo_loss, parse_dpo_loss_type, uses_length_normalised_log_probs
+from nxd_lc.alignment.pipeline import (
+    REF_COUNTS,
+    REF_SUMS,
+    interleave_pairs_by_microbatch,
+    preference_objective,
+    reference_rows_objective,
+)
 from nxd_lc.alignment.reference import (
     FrozenReference,
     compute_reference_table,
@@ -102,6 +118,21 @@ class NxDPreferenceModel(NxDLanguageModel):
         self._metric_names: tuple[str, ...] = ()
         self._metric_acc: Optional[torch.Tensor] = None  # sum over micro-batches of the stacked metrics
         self._val_acc: Optional[torch.Tensor] = None  # [loss, accuracy, margin, 1] x pairs, summed
+        if self.pipeline is not None:
+            self._metric_names = self._loss_metric_names()
+            self.pipeline.objective = preference_objective(
+                self._loss_from_log_probs, self._metric_names, uses_reference=algorithm == "dpo",
+                loss_factor=float(ps.get_context_parallel_world_size()))
+
+    def _pipeline_micro_batch_rows(self) -> int:
+        """A pipeline micro-batch of ``data.micro_batch_size`` pairs has twice as many rows."""
+        return 2 * self.cfg.data.micro_batch_size
+
+    def _loss_metric_names(self) -> tuple[str, ...]:
+        """The names of :meth:`_loss_from_log_probs`'s metrics (from a loss of two dummy rows on the CPU)."""
+        sums, counts = torch.zeros(2), torch.ones(2, dtype=torch.long)
+        _, metrics = self._loss_from_log_probs(sums, counts, (sums, counts) if self.algorithm == "dpo" else None)
+        return tuple(metrics)
 
     # ---- the reference ----------------------------------------------------------------------------------------
     def _param_device(self) -> torch.device:
@@ -132,6 +163,9 @@ class NxDPreferenceModel(NxDLanguageModel):
         if self.algorithm != "dpo" or self.reference_source is not None:
             return
         if not self.alignment_cfg.precompute_ref_log_probs:
+            if self.pipeline is not None:
+                raise ValueError("model_alignment_strategy.dpo.precompute_ref_log_probs: false is not available "
+                                 "with pipeline parallelism; set it true")
             if lora_modules(self.model):
                 self.reference_source = "lora_base"
                 return
@@ -178,6 +212,11 @@ class NxDPreferenceModel(NxDLanguageModel):
         """Precompute: a collated CPU micro-batch -> ``[B, 4]`` (chosen sum, count, rejected sum, count)."""
         device = self._param_device()
         shard = self._context_parallel_shard({k: v.to(device) for k, v in batch.items()})
+        if self.pipeline is not None:  # one micro-batch, forward only through the stages; rows on every rank
+            pairs = shard["input_ids"].shape[0] // 2
+            with reference_forward(self.model, self.precision_policy.autocast_dtype):
+                out = self.pipeline.run_objective(shard, train=False, objective=reference_rows_objective(pairs))
+            return out.metrics["rows"].reshape(pairs, 4)
         with reference_forward(self.model, self.precision_policy.autocast_dtype):
             sums, counts = self._sequence_log_probs(self.model, shard)
         (cs, rs), (cc, rc) = split_chosen_rejected(sums), split_chosen_rejected(counts.float())
@@ -227,6 +266,13 @@ class NxDPreferenceModel(NxDLanguageModel):
         shard = self._context_parallel_shard(batch)
         ref = self._reference_log_probs(shard, split) if self.algorithm == "dpo" else None
         sums, counts = self._sequence_log_probs(self.model, shard)  # [2B] each, full-sequence values
+        return self._loss_from_log_probs(sums, counts, ref)
+
+    def _loss_from_log_probs(self, sums: torch.Tensor, counts: torch.Tensor,
+                             ref: Optional[tuple[torch.Tensor, torch.Tensor]]
+                             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """DPO / ORPO loss (fp32 scalar, mean over the pairs) and detached scalar metrics from the policy's
+        ``sums [2B]`` fp32 / ``counts [2B]`` int64 and the reference's (DPO; None for ORPO), chosen rows first."""
         means = mean_log_probs(sums, counts)
         chosen_nll = -split_chosen_rejected(means)[0]
         if ref is None:
@@ -242,13 +288,34 @@ class NxDPreferenceModel(NxDLanguageModel):
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """``loss * cp`` of the micro-batch (fp32 scalar; the mean over its pairs, see the module docstring)."""
-        loss, metrics = self._preference_loss(batch, "train")
+        if self.pipeline is not None:
+            self._zero_grad_before_pipeline()
+            loss, metrics = self._pipeline_loss(batch, "train", train=True)
+        else:
+            loss, metrics = self._preference_loss(batch, "train")
         self._accumulate_loss(loss)
         if not self._metric_names:
             self._metric_names = tuple(metrics)
         stacked = torch.stack([metrics[k].float() for k in self._metric_names])
         self._metric_acc = stacked if self._metric_acc is None else self._metric_acc + stacked
         return loss * ps.get_context_parallel_world_size()
+
+    def _pipeline_loss(self, batch: dict[str, torch.Tensor], split: str,
+                       train: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """All micro-batches of ``batch`` through the pipeline (forward and backward when ``train``).
+
+        Returns:
+            (the mean over micro-batches of the micro-batch loss, fp32 scalar, detached and without the CP factor;
+            each metric's mean over micro-batches), the same on every rank of the PP group.
+        """
+        shard = self._context_parallel_shard(batch)
+        if self.algorithm == "dpo":
+            ref_sums, ref_counts = self._reference_log_probs(shard, split)  # [2NP] rows, chosen first
+            shard = {**shard, REF_SUMS: ref_sums.float(), REF_COUNTS: ref_counts}
+        n = shard["input_ids"].shape[0] // self._pipeline_micro_batch_rows()
+        out = self.pipeline.run_objective(interleave_pairs_by_microbatch(shard, n), train=train)
+        cp = ps.get_context_parallel_world_size()
+        return out.loss / cp, {k: v.mean(0) for k, v in out.metrics.items()}
 
     # ---- step metrics -------------------------------------------------------------------------------------------
     def reduced_step_metrics(self) -> dict[str, torch.Tensor]:
@@ -271,7 +338,10 @@ class NxDPreferenceModel(NxDLanguageModel):
     # ---- validation ---------------------------------------------------------------------------------------------
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Accumulate pair-weighted loss, reward accuracy and margin; reduced in :meth:`on_validation_epoch_end`."""
-        loss, metrics = self._preference_loss(batch, "val")
+        if self.pipeline is not None:
+            loss, metrics = self._pipeline_loss(batch, "val", train=False)
+        else:
+            loss, metrics = self._preference_loss(batch, "val")
         pairs = batch["input_ids"].shape[0] // 2
         row = torch.stack([loss.detach().float(), metrics["rewards/accuracies"], metrics["rewards/margins"],
                            torch.ones_like(loss, dtype=torch.float32)]) * pairs

@@ -145,19 +145,22 @@ def weights_checksum(model: nn.Module) -> str:
     Each element's raw bit pattern contributes additively modulo a prime, so the sum over a TP-sharded tensor's
     shards equals the full tensor's (padded vocab rows are zero and add nothing). TP-sharded parameters are
     summed over the TP group, replicated ones counted once (TP rank 0); LoRA adapters (``lora_`` in the name) and
-    KV-replicated weights (``kv_replicated``, whose replicas would count twice) are left out. Collective over
-    the TP group; reads every weight once (chunked).
+    KV-replicated weights (``kv_replicated``, whose replicas would count twice) are left out. Under pipeline
+    parallelism the stages' sums are added over the PP group and the last stage's copy of a tied embedding
+    (``pipeline_tied_copy``) is left out, so the checksum is also the same at every PP size. Collective over
+    the TP and PP groups; reads every weight once (chunked).
     """
     device = next(model.parameters()).device
     device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
     total = torch.zeros(2, dtype=torch.int64, device=device)
     first_tp_rank = ps.get_tensor_model_parallel_rank() == 0
     for name, p in model.named_parameters():
-        if "lora_" in name or getattr(p, "kv_replicated", False):
+        if "lora_" in name or getattr(p, "kv_replicated", False) or getattr(p, "pipeline_tied_copy", False):
             continue
         if getattr(p, "tensor_model_parallel", False) or first_tp_rank:
             total = (total + _param_checksum(p).to(device)).remainder(_MODULUS)
     total = collectives.all_reduce(total, ps.get_tensor_model_parallel_group()).remainder(_MODULUS)
+    total = collectives.all_reduce(total, ps.get_pipeline_model_parallel_group()).remainder(_MODULUS)
     return "".join(f"{int(x):08x}" for x in total.tolist())
 
 
@@ -198,7 +201,7 @@ def _sha(obj: Any) -> str:
 
 def reference_fingerprint(datamodule: Any, model: nn.Module, *, hf_weights_dir: Optional[str],
                           precision: dict[str, str]) -> str:
-    """The cache key (sha256 hex) of a run's reference log-probs; independent of TP, CP and DP.
+    """The cache key (sha256 hex) of a run's reference log-probs; independent of TP, CP, DP and PP.
 
     Args:
         datamodule: a set-up :class:`~nxd_lc.data.alignment_datamodule.ModelAlignmentDataModule` (its ``cfg``,
@@ -206,7 +209,7 @@ def reference_fingerprint(datamodule: Any, model: nn.Module, *, hf_weights_dir: 
         model: the reference (the initial policy; LoRA adapters are not part of the key).
         hf_weights_dir: ``model.hf_weights_dir`` (None when the weights come from elsewhere).
         precision: e.g. ``{"param_dtype": "torch.bfloat16", "autocast": "None"}``.
-    Collective over the TP group (:func:`weights_checksum`).
+    Collective over the TP and PP groups (:func:`weights_checksum`).
     """
     cfg, sub = datamodule.cfg, getattr(datamodule.alignment_cfg, datamodule.algorithm)
     key = {

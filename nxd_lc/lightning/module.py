@@ -82,14 +82,27 @@ class NxDLanguageModel(pl.LightningModule):
         ranges = stage_layer_ranges(len(self.model.layers), ds.pipeline_model_parallel_size,
                                     ds.virtual_pipeline_model_parallel_size, self.cfg.model.pipeline_cuts)
         return PipelineEngine(self.model, ranges, virtual_size=ds.virtual_pipeline_model_parallel_size,
-                              micro_batch_size=self.cfg.data.micro_batch_size,
+                              micro_batch_size=self._pipeline_micro_batch_rows(),
                               sequence_parallel=ds.sequence_parallel)
+
+    def _pipeline_micro_batch_rows(self) -> int:
+        """Rows of one pipeline micro-batch: ``data.micro_batch_size`` (preference batches: twice that)."""
+        return self.cfg.data.micro_batch_size
 
     def optimizer_zero_grad(self, epoch: int, batch_idx: int, optimizer: torch.optim.Optimizer) -> None:
         """Lightning zeroes gradients between ``training_step`` and ``backward``; under pipeline parallelism the
         backward already ran inside ``training_step``, so gradients are zeroed there, before the schedule."""
         if self.pipeline is None:
             super().optimizer_zero_grad(epoch, batch_idx, optimizer)
+
+    def _zero_grad_before_pipeline(self) -> None:
+        """Zero the gradients before a pipeline schedule accumulates the step's: through the trainer's optimizers
+        (which also clear fp32 ``main_grad`` buffers / ZeRO-1 state), or the model's ``.grad`` without a trainer."""
+        if self._trainer is None:
+            self.model.zero_grad(set_to_none=True)
+            return
+        for optimizer in self.trainer.optimizers:
+            optimizer.zero_grad(set_to_none=True)
 
     def backward(self, loss: torch.Tensor, *args: Any, **kwargs: Any) -> None:
         """``loss.backward()``, except under pipeline parallelism, where the schedule has already run every
@@ -148,8 +161,7 @@ class NxDLanguageModel(pl.LightningModule):
         computed by the schedule."""
         batch = self._context_parallel_shard(batch)
         if self.pipeline is not None:  # all micro-batches of the step, forward and backward (1F1B)
-            for optimizer in self.trainer.optimizers:
-                optimizer.zero_grad(set_to_none=True)
+            self._zero_grad_before_pipeline()
             loss = self.pipeline.train_step(batch)
         else:
             loss_sum, num_tokens = self._loss(batch)

@@ -13,12 +13,20 @@ mean (CP-normalised), and the loss that is back-propagated is that value divided
 The step's loss is the sum of those scaled values, i.e. the mean over micro-batches; the last stage holds it and
 it is summed over the PP group (zeros elsewhere), so every rank logs the same number.
 
+Other objectives (:class:`~nxd_lc.pipeline.stage.StageObjective`, e.g. DPO / ORPO): :meth:`PipelineEngine.run_objective`
+runs the same schedules with the objective on the last stage; every other tensor of the batch (``sample_index``,
+reference log-probs, ...) travels as a schedule keyword argument, so torch chunks it along dim 0 with the
+micro-batches. The objective's loss is back-propagated divided by ``num_microbatches`` as above, and its metrics
+are returned per micro-batch, summed over the PP group (zeros on the ranks without the last stage), so every rank
+holds the same values.
+
 Every rank builds the schedule lazily for the first batch of a given shape and keeps it (one per shape / dtype).
 """
 
 from __future__ import annotations
 
 import inspect
+from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import torch
@@ -27,7 +35,23 @@ from torch import nn
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.pipeline.split import stages_of_rank
-from nxd_lc.pipeline.stage import PipelineStageModule, meta_like, stage_activation_shape
+from nxd_lc.pipeline.stage import PipelineStageModule, StageObjective, meta_like, stage_activation_shape
+
+#: batch keys the stages take by name; any other tensor of the batch is an objective's extra keyword argument
+_STAGE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+
+
+@dataclass(frozen=True)
+class PipelineOutput:
+    """The result of :meth:`PipelineEngine.run_objective`, the same on every rank of the PP group.
+
+    Attributes:
+        loss: fp32 scalar (detached), the mean over micro-batches of the objective's loss.
+        metrics: name -> fp32 ``[num_microbatches, *shape]`` (detached), each micro-batch's metric values.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
 
 
 def _schedule_kwargs(cls: type) -> dict[str, Any]:
@@ -44,12 +68,14 @@ class PipelineEngine:
             ``keep_head``).
         layer_ranges: decoder layers of every stage (:func:`nxd_lc.pipeline.split.stage_layer_ranges`).
         virtual_size: ``V``, stages per pipeline rank.
-        micro_batch_size: rows per micro-batch.
+        micro_batch_size: rows per micro-batch (a preference micro-batch of ``P`` pairs has ``2P`` rows).
         sequence_parallel: activations between stages are ``[B, S/tp, H]``.
+        objective: the default objective of :meth:`run_objective` (None: the causal-LM loss everywhere).
     """
 
     def __init__(self, model: nn.Module, layer_ranges: Sequence[range], *, virtual_size: int,
-                 micro_batch_size: int, sequence_parallel: bool) -> None:
+                 micro_batch_size: int, sequence_parallel: bool,
+                 objective: Optional[StageObjective] = None) -> None:
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.num_stages = self.pp * virtual_size
         if len(layer_ranges) != self.num_stages:
@@ -62,6 +88,7 @@ class PipelineEngine:
         self.stage_modules = [PipelineStageModule(model, layer_ranges[s], s, self.num_stages) for s in stage_ids]
         self.holds_last_stage = any(m.is_last for m in self.stage_modules)
         self._schedules: dict[tuple[Any, ...], Any] = {}
+        self.objective = objective
 
     # ---- schedule construction -------------------------------------------------------------------------------
     def _activation_dtype(self) -> torch.dtype:
@@ -107,13 +134,16 @@ class PipelineEngine:
         return self._schedules[key]
 
     # ---- steps ----------------------------------------------------------------------------------------------
-    def _run(self, batch: dict[str, torch.Tensor], train: bool) -> torch.Tensor:
-        input_ids, labels = batch["input_ids"], batch["labels"]
-        rows, seq_local = input_ids.shape
+    def _num_microbatches(self, rows: int) -> int:
         if rows % self.micro_batch_size:
             raise ValueError(f"pipeline: a batch of {rows} rows is not a whole number of micro-batches of "
-                             f"{self.micro_batch_size} (data.micro_batch_size)")
-        n = rows // self.micro_batch_size
+                             f"{self.micro_batch_size} rows (data.micro_batch_size)")
+        return rows // self.micro_batch_size
+
+    def _run(self, batch: dict[str, torch.Tensor], train: bool, extra_kwargs: bool = False) -> torch.Tensor:
+        input_ids, labels = batch["input_ids"], batch["labels"]
+        rows, seq_local = input_ids.shape
+        n = self._num_microbatches(rows)
         if train and self.virtual_size > 1 and n % self.pp:
             raise ValueError(f"pipeline: interleaved 1F1B needs num_microbatches ({n}) divisible by "
                              f"pipeline_model_parallel_size ({self.pp})")
@@ -123,6 +153,14 @@ class PipelineEngine:
         kwargs = {"position_ids": positions.contiguous(), "labels": labels}
         if batch.get("segment_ids") is not None:
             kwargs["segment_ids"] = batch["segment_ids"]
+        if extra_kwargs:
+            for key, value in batch.items():
+                if key in _STAGE_KEYS or not torch.is_tensor(value):
+                    continue
+                if value.dim() == 0 or value.shape[0] % n:
+                    raise ValueError(f"pipeline: batch tensor {key!r} of shape {tuple(value.shape)} does not split "
+                                     f"into {n} micro-batches along dim 0")
+                kwargs[key] = value
         schedule = self._schedule(n, seq_local, input_ids.device, train)
         args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
         losses: list[torch.Tensor] = []
@@ -167,15 +205,80 @@ class PipelineEngine:
         local = torch.stack(sums).sum(0) if sums else torch.zeros(2, device=batch["input_ids"].device)
         return collectives.all_reduce(local, ps.get_pipeline_model_parallel_group())
 
+    def run_objective(self, batch: dict[str, torch.Tensor], *, train: bool,
+                      objective: Optional[StageObjective] = None) -> PipelineOutput:
+        """All micro-batches of ``batch`` with ``objective`` (default :attr:`objective`) on the last stage:
+        forward and backward (``train``; gradients accumulate as in :meth:`train_step`) or forward only.
+
+        Args:
+            batch: ``input_ids`` / ``labels`` (+ ``position_ids``, ``segment_ids``) ``[num_microbatches x
+                micro_batch_size, S]`` (already CP-sharded and laid out so that each consecutive block of
+                ``micro_batch_size`` rows is one micro-batch), plus any tensors for the objective whose dim 0
+                splits into ``num_microbatches`` equal chunks (e.g. ``sample_index [num_microbatches x P]``).
+            train: run the training schedule (backward included); else the forward-only one, without grad.
+            objective: overrides :attr:`objective` for this call.
+        Returns:
+            :class:`PipelineOutput`, the same on every pipeline rank. Collective over the PP group.
+        Raises:
+            ValueError: no objective, or a batch that does not split into micro-batches.
+        """
+        objective = objective or self.objective
+        if objective is None:
+            raise ValueError("pipeline: run_objective needs a StageObjective (engine.objective or objective=)")
+        n = self._num_microbatches(batch["input_ids"].shape[0])
+        batch = self._pad_for_forward_only(batch, n, train)
+        last = [m for m in self.stage_modules if m.is_last]
+        for m in last:
+            m.objective, m.objective_records = objective, []
+        try:
+            with torch.set_grad_enabled(train and torch.is_grad_enabled()):
+                self._run(batch, train=train, extra_kwargs=True)
+            records = [r for m in last for r in (m.objective_records or [])]
+        finally:
+            for m in last:
+                m.objective, m.objective_records = None, None
+        return self._reduce_records(records[:n], objective, n, batch["input_ids"].device)
+
+    def _pad_for_forward_only(self, batch: dict[str, torch.Tensor], n: int, train: bool) -> dict[str, torch.Tensor]:
+        """On torch < 2.10 a forward-only run of fewer than ``num_stages`` micro-batches (one stage per rank) is
+        padded with copies of the first micro-batch (their records are dropped): the schedule refuses fewer."""
+        from nxd_lc.compat import pipeline_eval_needs_stage_count_microbatches
+
+        if train or self.virtual_size > 1 or n >= self.num_stages or \
+                not pipeline_eval_needs_stage_count_microbatches():
+            return batch
+        pad = self.num_stages - n
+        out = dict(batch)
+        for key, value in batch.items():
+            if torch.is_tensor(value) and value.dim() > 0:
+                first = value[: value.shape[0] // n]
+                out[key] = torch.cat([value, *([first] * pad)])
+        return out
+
+    @staticmethod
+    def _reduce_records(records: list[dict[str, torch.Tensor]], objective: StageObjective, n: int,
+                        device: torch.device) -> PipelineOutput:
+        """The last stage's per-micro-batch records -> :class:`PipelineOutput` (one all-reduce over PP)."""
+        shapes: dict[str, tuple[int, ...]] = {"loss": (), **{k: tuple(v) for k, v in objective.metric_shapes.items()}}
+        sizes = [int(torch.Size(s).numel()) for s in shapes.values()]
+        if records:
+            local = torch.cat([torch.stack([r[k].reshape(-1) for r in records]) for k in shapes], dim=1)
+        else:
+            local = torch.zeros(n, sum(sizes), dtype=torch.float32, device=device)
+        total = collectives.all_reduce(local.contiguous(), ps.get_pipeline_model_parallel_group())  # [n, sum]
+        parts = dict(zip(shapes, torch.split(total, sizes, dim=1)))
+        metrics = {k: parts[k].reshape(n, *shape) for k, shape in shapes.items()}
+        return PipelineOutput(loss=metrics.pop("loss").mean(), metrics=metrics)
+
     def parameters(self) -> list[nn.Parameter]:
         """Parameters of this rank's stages (those of the rank model)."""
         return [p for m in self.stage_modules for p in m.parameters()]
 
 
 def build_engine(model: nn.Module, layer_ranges: Sequence[range], *, virtual_size: int, micro_batch_size: int,
-                 sequence_parallel: bool) -> Optional[PipelineEngine]:
+                 sequence_parallel: bool, objective: Optional[StageObjective] = None) -> Optional[PipelineEngine]:
     """A :class:`PipelineEngine` when pipeline parallelism is on (PP > 1), else None."""
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return None
     return PipelineEngine(model, layer_ranges, virtual_size=virtual_size, micro_batch_size=micro_batch_size,
-                          sequence_parallel=sequence_parallel)
+                          sequence_parallel=sequence_parallel, objective=objective)

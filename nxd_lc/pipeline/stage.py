@@ -10,18 +10,45 @@ sequence parallelism), in the parameters' dtype.
 
 The last stage returns the micro-batch's token-mean loss (under CP this rank's share scaled by CP, see
 :func:`nxd_lc.context.context_parallel_loss`) as a ``[1]`` tensor, so the schedule can stack the per-micro-batch
-values. The model is not rewritten per stage: the stage registers the rank model's own modules (embedding, its
-layers, final norm, lm head), so parameters, checkpoints and the optimizer stay those of the rank model.
+values. A :class:`StageObjective` set on the stage (``stage.objective``) replaces that causal-LM loss: it maps
+(rank model, lm-head input ``[B, S, H]``, the micro-batch's keyword tensors) to (the loss to back-propagate,
+detached metric tensors), e.g. the DPO / ORPO losses of :mod:`nxd_lc.alignment`; extra keyword tensors
+(``sample_index``, reference log-probs, ...) reach every stage and are used by the objective only.
+
+The model is not rewritten per stage: the stage registers the rank model's own modules (embedding, its layers,
+final norm, lm head), so parameters, checkpoints and the optimizer stay those of the rank model.
 """
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
 
 from nxd_lc.context import context_parallel_loss
+
+#: (rank model, lm-head input hidden [B, S, H], the micro-batch's keyword tensors) -> (scalar fp32 loss to
+#: back-propagate, {name: detached metric tensor})
+ObjectiveFn = Callable[[nn.Module, torch.Tensor, dict[str, torch.Tensor]],
+                       tuple[torch.Tensor, dict[str, torch.Tensor]]]
+
+
+@dataclass(frozen=True)
+class StageObjective:
+    """The last stage's objective in place of the causal-LM token-mean loss.
+
+    Attributes:
+        fn: see :data:`ObjectiveFn`. ``hidden`` is :meth:`LlamaForCausalLM.head_input` of the last layer's output
+            (TP-region input of the lm head; use ``model.logits_from_hidden``). The loss is what the schedule
+            back-propagates (divided by ``num_microbatches``): it must already carry any CP factor.
+        metric_shapes: name -> shape of each metric the function returns per micro-batch (``()`` for scalars);
+            the engine needs them to take part in the PP all-reduce on ranks without the last stage.
+    """
+
+    fn: ObjectiveFn
+    metric_shapes: dict[str, tuple[int, ...]]
 
 
 class PipelineStageModule(nn.Module):
@@ -55,6 +82,10 @@ class PipelineStageModule(nn.Module):
         self._model = [model]  # a list: the rank model is not a child (its parameters are not this stage's)
         #: when a list, the last stage appends ``[loss_sum, num_tokens]`` (fp32 [2]) of each micro-batch (evaluation)
         self.eval_sums: list[torch.Tensor] | None = None
+        #: replaces the causal-LM loss of the last stage when set (see :class:`StageObjective`)
+        self.objective: StageObjective | None = None
+        #: when a list, the last stage appends ``{"loss": detached loss, **metrics}`` of each micro-batch (objective)
+        self.objective_records: list[dict[str, torch.Tensor]] | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -62,8 +93,10 @@ class PipelineStageModule(nn.Module):
         return self._model[0]
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None) -> torch.Tensor:
-        """See the module docstring; ``labels`` [B, S] (shifted, -100 = no target) is used by the last stage.
+                segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                **extra: torch.Tensor) -> torch.Tensor:
+        """See the module docstring; ``labels`` [B, S] (shifted, -100 = no target) is used by the last stage;
+        ``extra`` keyword tensors (chunked per micro-batch along dim 0) are passed to the objective only.
 
         Raises:
             ValueError: bad shapes (first stage: as ``LlamaForCausalLM.hidden_states``), or no labels on the
@@ -85,12 +118,27 @@ class PipelineStageModule(nn.Module):
             return h
         if labels is None:
             raise ValueError("pipeline: the last stage needs the micro-batch's labels")
+        if self.objective is not None:
+            kwargs = {"position_ids": position_ids, "segment_ids": segment_ids, "labels": labels, **extra}
+            return self._objective_output(model.head_input(h), kwargs)
         from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
 
         loss_sum, num_tokens = causal_lm_loss_from_hidden(model, model.head_input(h), labels)
         if self.eval_sums is not None:
             self.eval_sums.append(torch.stack([loss_sum.detach().float(), num_tokens.detach().float()]))
         return context_parallel_loss(loss_sum, num_tokens).reshape(1)
+
+    def _objective_output(self, hidden: torch.Tensor, kwargs: dict[str, torch.Tensor | None]) -> torch.Tensor:
+        """Run :attr:`objective` on the lm-head input ``[B, S, H]``; record loss and metrics; the loss as ``[1]``."""
+        assert self.objective is not None
+        loss, metrics = self.objective.fn(self.model, hidden, {k: v for k, v in kwargs.items() if v is not None})
+        missing = set(self.objective.metric_shapes) - set(metrics)
+        if missing:
+            raise ValueError(f"pipeline objective: metrics {sorted(missing)} declared in metric_shapes are missing")
+        if self.objective_records is not None:
+            record = {k: metrics[k].detach().float() for k in self.objective.metric_shapes}
+            self.objective_records.append({"loss": loss.detach().float().reshape(()), **record})
+        return loss.float().reshape(1)
 
     def extra_repr(self) -> str:
         return f"stage={self.stage_index}/{self.num_stages}, layers={self.layer_ids[0]}..{self.layer_ids[-1]}"
