@@ -68,7 +68,8 @@ def _torch_before(major: int, minor: int) -> bool:
 
 def pipeline_eval_needs_stage_count_microbatches() -> bool:
     """True on torch < 2.10, whose single-stage pipeline schedules (GPipe included, so forward-only runs too)
-    refuse fewer micro-batches than pipeline stages; torch >= 2.10 accepts any number for GPipe."""
+    refuse fewer micro-batches than pipeline stages, and whose looped breadth-first schedule (several stages per
+    rank) then returns NaN losses; torch >= 2.10 takes any number in both."""
     return _torch_before(2, 10)
 
 

@@ -59,7 +59,11 @@ def _reference(ckpt: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels[rows].reshape(-1), ignore_index=-100) / N_MB
         loss.backward()
         total += loss.detach()
-    return total, {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
+    with torch.no_grad():  # forward-only reference: summed CE and token count of the first micro-batch alone
+        logits = hf(ids[:MB]).logits
+        ce = F.cross_entropy(logits.reshape(-1, VOCAB), labels[:MB].reshape(-1), ignore_index=-100, reduction="sum")
+        first = torch.stack([ce, (labels[:MB] != -100).sum().float()])
+    return total, {n: p.grad.detach().clone() for n, p in hf.named_parameters()}, first
 
 
 def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, ref: dict, cp: int = 1,
@@ -102,6 +106,10 @@ def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, re
         grads = export_hf_state_dict(model)
         for n, p in model.named_parameters():
             p.copy_(saved[n])
+    # forward-only validation of one micro-batch (fewer micro-batches than stages): [loss sum, token count]
+    pair = engine.eval_step({k: v[:MB] for k, v in batch.items()})
+    pair = collectives.all_reduce(pair.clone(), ps.get_context_parallel_group())
+    torch.testing.assert_close(pair, ref["eval_first"], atol=1e-4, rtol=1e-5)
     assert set(grads) == set(ref["grads"])  # every parameter of the model, gathered over stages and TP
     for name, g in grads.items():
         torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
@@ -113,8 +121,8 @@ def hf_ckpt(request, tmp_path_factory) -> tuple[str, dict]:
     hf = HFLlama._from_config(_hf_config(request.param), attn_implementation="eager").float()
     path = tmp_path_factory.mktemp("hf_pp")
     hf.save_pretrained(path)
-    loss, grads = _reference(str(path))
-    return str(path), {"loss": loss, "grads": grads}
+    loss, grads, first = _reference(str(path))
+    return str(path), {"loss": loss, "grads": grads, "eval_first": first}
 
 
 @pytest.mark.distributed

@@ -193,12 +193,14 @@ class PipelineEngine:
             (as ``LlamaForCausalLM.loss`` gives them, before any DP / CP reduction), the same on every pipeline
             rank. Collective over the PP group.
         """
+        n = self._num_microbatches(batch["input_ids"].shape[0])
+        batch = self._pad_for_forward_only(batch, n, train=False)  # torch < 2.10: at least num_stages
         last = [m for m in self.stage_modules if m.is_last]
         for m in last:
             m.eval_sums = []
         try:
             self._run(batch, train=False)
-            sums = [x for m in last for x in (m.eval_sums or [])]
+            sums = [x for m in last for x in (m.eval_sums or [])][:n]  # padding micro-batches come last
         finally:
             for m in last:
                 m.eval_sums = None
@@ -240,12 +242,12 @@ class PipelineEngine:
         return self._reduce_records(records[:n], objective, n, batch["input_ids"].device)
 
     def _pad_for_forward_only(self, batch: dict[str, torch.Tensor], n: int, train: bool) -> dict[str, torch.Tensor]:
-        """On torch < 2.10 a forward-only run of fewer than ``num_stages`` micro-batches (one stage per rank) is
-        padded with copies of the first micro-batch (their records are dropped): the schedule refuses fewer."""
+        """On torch < 2.10 a forward-only run of fewer than ``num_stages`` micro-batches is padded with copies of
+        the first micro-batch (their records are dropped): GPipe refuses fewer, and looped BFS (interleaved stages)
+        returns garbage (NaN losses, seen in tests) with fewer."""
         from nxd_lc.compat import pipeline_eval_needs_stage_count_microbatches
 
-        if train or self.virtual_size > 1 or n >= self.num_stages or \
-                not pipeline_eval_needs_stage_count_microbatches():
+        if train or n >= self.num_stages or not pipeline_eval_needs_stage_count_microbatches():
             return batch
         pad = self.num_stages - n
         out = dict(batch)
