@@ -77,3 +77,19 @@ def local_shard(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.
         q, k, v = full.split([nq * hd, nkv * hd, nkv * hd])
         return qkv.shard_qkv_weights(q, k, v)["weight_qkv"]
     return shard_full_parameter(full, model.get_parameter(name))
+
+
+def grads_in_hf_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Gradients of an nxd_lc Llama in HF names and full shapes: each parameter is swapped with its gradient and
+    exported (``export_hf_state_dict`` gathers TP, splits qkv, and under pipelining gathers every stage), then
+    restored. Collective like the export."""
+    from nxd_lc.models.llama.hf_adapter import export_hf_state_dict
+
+    with torch.no_grad():
+        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
+        for p in model.parameters():
+            p.copy_(p.grad)
+        grads = export_hf_state_dict(model)
+        for n, p in model.named_parameters():
+            p.copy_(saved[n])
+    return grads

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from dist_utils import grads_in_hf_layout, run_distributed
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -96,16 +96,7 @@ def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, re
     # one global norm over all stages and TP ranks, the tied embedding counted once (HF lists it once)
     reference_norm = torch.linalg.vector_norm(torch.cat([g.flatten() for g in ref["grads"].values()]))
     torch.testing.assert_close(global_grad_norm(list(model.parameters())), reference_norm, atol=1e-5, rtol=1e-5)
-    from nxd_lc.models.llama.hf_adapter import export_hf_state_dict
-
-    # gradients in HF layout: swap each parameter with its gradient and export (gathers TP, splits qkv)
-    with torch.no_grad():
-        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for p in model.parameters():
-            p.copy_(p.grad)
-        grads = export_hf_state_dict(model)
-        for n, p in model.named_parameters():
-            p.copy_(saved[n])
+    grads = grads_in_hf_layout(model)  # gathered over TP and stages
     # forward-only validation of one micro-batch (fewer micro-batches than stages): [loss sum, token count]
     pair = engine.eval_step({k: v[:MB] for k, v in batch.items()})
     pair = collectives.all_reduce(pair.clone(), ps.get_context_parallel_group())

@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from dist_utils import run_distributed
+from dist_utils import grads_in_hf_layout, run_distributed
 from test_alignment_module import _tokenizer, _write_data
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
@@ -37,7 +37,6 @@ from nxd_lc.config.schema import DataConfig, NxdConfig
 from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule, collate_pairs
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, load_hf_weights
-from nxd_lc.models.llama.hf_adapter import export_hf_state_dict
 from nxd_lc.pipeline import stage_layer_ranges
 
 SEQ, VOCAB, LAYERS, N_MB, KL_BETA, ORPO_BETA = 48, 512, 4, 2, 0.5, 0.3
@@ -126,18 +125,6 @@ def _rank_model(ckpt: str) -> LlamaForCausalLM:
     return model
 
 
-def _grads_hf_layout(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Gradients gathered over the stages, in HF names: swap each parameter with its gradient and export."""
-    with torch.no_grad():
-        saved = {n: p.detach().clone() for n, p in model.named_parameters()}
-        for p in model.parameters():
-            p.copy_(p.grad)
-        grads = export_hf_state_dict(model)
-        for n, p in model.named_parameters():
-            p.copy_(saved[n])
-    return grads
-
-
 def _worker(rank: int, world: int, algorithm: str, data: tuple[str, str], initial: str, policy: str,
             train: dict[str, torch.Tensor], val: dict[str, torch.Tensor], ref: dict[str, Any], cache: str) -> None:
     ps.initialize_model_parallel(pipeline_model_parallel_size=world)
@@ -156,7 +143,7 @@ def _worker(rank: int, world: int, algorithm: str, data: tuple[str, str], initia
     loss = module.training_step(train, 0)
     torch.testing.assert_close(loss, ref["loss"], atol=ATOL, rtol=0)  # CP 1: the pairs' loss, on every rank
     module.on_before_optimizer_step(None)  # tied-embedding (first + last stage) and DP reductions
-    grads = _grads_hf_layout(model)
+    grads = grads_in_hf_layout(model)
     assert set(grads) == set(ref["grads"])
     for name, g in grads.items():
         torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
