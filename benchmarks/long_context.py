@@ -232,18 +232,23 @@ def _write(result: dict[str, Any], out: str | None) -> Path:
     return path
 
 
+def reanalyse(path: str, analyse_result: Any) -> int:
+    """``--reanalyse <json>``: recompute ``result["analysis"]`` with ``analyse_result(result)`` from a saved result
+    file, write it back in place (JSON + markdown) and print the table; returns exit status 0."""
+    result = json.loads(Path(path).read_text())
+    result["analysis"] = analyse_result(result)
+    _write(result, path)
+    print(result["analysis"]["markdown"])
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark (module docstring); returns the process exit status (0 unless a measurement errored)."""
     from benchmarks.analysis import analyse
 
     args = _parser().parse_args(argv)
     if args.reanalyse:
-        path = Path(args.reanalyse)
-        result = json.loads(path.read_text())
-        result["analysis"] = analyse(result)
-        _write(result, str(path))
-        print(result["analysis"]["markdown"])
-        return 0
+        return reanalyse(args.reanalyse, analyse)
     plan = _plan(args)
     if args.smoke:
         args.cap_gib = min(args.cap_gib, 4.0)

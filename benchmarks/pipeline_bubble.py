@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.common import hf_llama_config, rss_bytes
-from benchmarks.long_context import ROOT, _free_port, _log, _machine, _write
+from benchmarks.long_context import ROOT, _free_port, _log, _machine, _write, reanalyse
 from benchmarks.pipeline_schedule import StageClock, formula_bubble, simulate_1f1b
 from benchmarks.precision import _reset_peak_rss
 from benchmarks.procs import GIB, run_children
@@ -509,11 +509,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "bench":
         return _child(args, ms)
     if args.reanalyse:
-        result = json.loads(Path(args.reanalyse).read_text())
-        result["analysis"] = analyse(result["raw"])
-        _write(result, args.reanalyse)
-        print(result["analysis"]["markdown"])
-        return 0
+        return reanalyse(args.reanalyse, lambda r: analyse(r["raw"]))
     started = datetime.datetime.now()
     raw = collect(args, ms)
     plan = {k: v for k, v in vars(args).items() if k not in ("cmd", "as_limit", "reanalyse")}

@@ -51,7 +51,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from benchmarks.common import REFERENCE_MODEL, SMOKE_MODEL, make_batch, prepare_assets, rss_bytes
-from benchmarks.long_context import ROOT, _log, _machine, _write
+from benchmarks.long_context import ROOT, _log, _machine, _write, reanalyse
 from benchmarks.procs import GIB, run_children
 
 if TYPE_CHECKING:
@@ -451,11 +451,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd != "bench":
         return _child(args)
     if args.reanalyse:
-        result = json.loads(Path(args.reanalyse).read_text())
-        result["analysis"] = analyse(result["raw"]["modes"], result["raw"].get("gemm"))
-        _write(result, args.reanalyse)
-        print(result["analysis"]["markdown"])
-        return 0
+        return reanalyse(args.reanalyse, lambda r: analyse(r["raw"]["modes"], r["raw"].get("gemm")))
     args.modes = [m for m in args.modes.split(",") if m]
     unknown = sorted(set(args.modes) - set(_BY_LABEL))
     if unknown or "fp32" not in args.modes:

@@ -66,7 +66,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from benchmarks.long_context import ROOT, _free_port, _log, _machine, _write
+from benchmarks.long_context import ROOT, _free_port, _log, _machine, _write, reanalyse
 from benchmarks.procs import GIB, _kill_all, _mem_available
 
 __all__ = ["FACTORS", "STARTUP_MODEL", "analyse", "bound", "main", "raw_config"]
@@ -380,11 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         Path(args.out).write_text(json.dumps(rank_main(args)))
         return 0
     if args.reanalyse:
-        result = json.loads(Path(args.reanalyse).read_text())
-        result["analysis"] = analyse(result["raw"])
-        _write(result, args.reanalyse)
-        print(result["analysis"]["markdown"])
-        return 0
+        return reanalyse(args.reanalyse, lambda r: analyse(r["raw"]))
     if args.rounds < 1:
         raise ValueError(f"--rounds must be >= 1, got {args.rounds}")
     if args.smoke:
