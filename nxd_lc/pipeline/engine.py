@@ -35,10 +35,17 @@ from torch import nn
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.pipeline.split import stages_of_rank
-from nxd_lc.pipeline.stage import PipelineStageModule, StageObjective, meta_like, stage_activation_shape
+from nxd_lc.pipeline.stage import (
+    CAUSAL_LM_SUMS,
+    PipelineStageModule,
+    StageObjective,
+    meta_like,
+    stage_activation_shape,
+)
 
 #: batch keys the stages take by name; any other tensor of the batch is an objective's extra keyword argument
 _STAGE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
+
 
 
 @dataclass(frozen=True)
@@ -86,7 +93,6 @@ class PipelineEngine:
         self.model = model
         stage_ids = stages_of_rank(ps.get_pipeline_model_parallel_rank(), self.pp, virtual_size)
         self.stage_modules = [PipelineStageModule(model, layer_ranges[s], s, self.num_stages) for s in stage_ids]
-        self.holds_last_stage = any(m.is_last for m in self.stage_modules)
         self._schedules: dict[tuple[Any, ...], Any] = {}
         self.objective = objective
 
@@ -193,19 +199,8 @@ class PipelineEngine:
             (as ``LlamaForCausalLM.loss`` gives them, before any DP / CP reduction), the same on every pipeline
             rank. Collective over the PP group.
         """
-        n = self._num_microbatches(batch["input_ids"].shape[0])
-        batch = self._pad_for_forward_only(batch, n, train=False)  # torch < 2.10: at least num_stages
-        last = [m for m in self.stage_modules if m.is_last]
-        for m in last:
-            m.eval_sums = []
-        try:
-            self._run(batch, train=False)
-            sums = [x for m in last for x in (m.eval_sums or [])][:n]  # padding micro-batches come last
-        finally:
-            for m in last:
-                m.eval_sums = None
-        local = torch.stack(sums).sum(0) if sums else torch.zeros(2, device=batch["input_ids"].device)
-        return collectives.all_reduce(local, ps.get_pipeline_model_parallel_group())
+        stage_batch = {k: batch[k] for k in _STAGE_KEYS if batch.get(k) is not None}
+        return self.run_objective(stage_batch, train=False, objective=CAUSAL_LM_SUMS).metrics["sums"].sum(0)
 
     def run_objective(self, batch: dict[str, torch.Tensor], *, train: bool,
                       objective: Optional[StageObjective] = None) -> PipelineOutput:

@@ -51,6 +51,22 @@ class StageObjective:
     metric_shapes: dict[str, tuple[int, ...]]
 
 
+def causal_lm_objective(model: nn.Module, hidden: torch.Tensor,
+                        kwargs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The last stage's default objective: the micro-batch's token-mean causal-LM loss (this CP rank's share,
+    scaled by CP, :func:`nxd_lc.context.context_parallel_loss`), with its ``[loss_sum, num_tokens]`` (fp32 ``[2]``,
+    before any DP / CP reduction) as the metric ``sums``."""
+    from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
+
+    loss_sum, num_tokens = causal_lm_loss_from_hidden(model, hidden, kwargs["labels"])
+    sums = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
+    return context_parallel_loss(loss_sum, num_tokens), {"sums": sums}
+
+
+#: the causal-LM objective with its per-micro-batch sums recorded (``PipelineEngine.eval_step``)
+CAUSAL_LM_SUMS = StageObjective(causal_lm_objective, {"sums": (2,)})
+
+
 class PipelineStageModule(nn.Module):
     """Stage ``stage_index`` of ``num_stages``: decoder layers ``layer_ids`` of ``model`` (plus the embedding on
     the first stage and final norm + lm head + loss on the last).
@@ -80,8 +96,6 @@ class PipelineStageModule(nn.Module):
         self.embed_tokens = model.embed_tokens if self.is_first else None
         self.rotary_emb = model.rotary_emb
         self._model = [model]  # a list: the rank model is not a child (its parameters are not this stage's)
-        #: when a list, the last stage appends ``[loss_sum, num_tokens]`` (fp32 [2]) of each micro-batch (evaluation)
-        self.eval_sums: list[torch.Tensor] | None = None
         #: replaces the causal-LM loss of the last stage when set (see :class:`StageObjective`)
         self.objective: StageObjective | None = None
         #: when a list, the last stage appends ``{"loss": detached loss, **metrics}`` of each micro-batch (objective)
@@ -121,12 +135,7 @@ class PipelineStageModule(nn.Module):
         if self.objective is not None:
             kwargs = {"position_ids": position_ids, "segment_ids": segment_ids, "labels": labels, **extra}
             return self._objective_output(model.head_input(h), kwargs)
-        from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
-
-        loss_sum, num_tokens = causal_lm_loss_from_hidden(model, model.head_input(h), labels)
-        if self.eval_sums is not None:
-            self.eval_sums.append(torch.stack([loss_sum.detach().float(), num_tokens.detach().float()]))
-        return context_parallel_loss(loss_sum, num_tokens).reshape(1)
+        return causal_lm_objective(model, model.head_input(h), {"labels": labels})[0].reshape(1)
 
     def _objective_output(self, hidden: torch.Tensor, kwargs: dict[str, torch.Tensor | None]) -> torch.Tensor:
         """Run :attr:`objective` on the lm-head input ``[B, S, H]``; record loss and metrics; the loss as ``[1]``."""
