@@ -9,7 +9,8 @@ Layout (NxD ``neuronx_distributed.trainer.checkpoint``)::
         model/dp_rank_00_tp_rank_XX_pp_rank_XX.pt   # model shard, written by DP rank 0 only
         optim/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt   # optimizer shard (every DP rank under zero1)
         user_content.pt                        # trainer/user state, written by global rank 0
-        done                                   # completion marker (JSON: tag, step, time), last
+        manifest.json                          # SHA-256 and size of every file above (nxd_lc.checkpoint.integrity)
+        done                                   # completion marker (JSON: tag, step, time, manifest), last
 
 With xser each shard ``<f>.pt`` is a structure file plus ``<f>.pt.tensors/tensor_<i>.pt``
 (:mod:`nxd_lc.checkpoint.xser`). ``newest`` follows NxD 2.16 (the last line is the newest tag);
@@ -36,11 +37,13 @@ import time
 import uuid
 import warnings
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from nxd_lc.checkpoint import integrity
 from nxd_lc.checkpoint.xser import (
     compact_cpu,
     fsync_dir,
@@ -94,7 +97,7 @@ def _trash_dir(ckpt_root: str, tag: str) -> str:
     return os.path.join(ckpt_root, f".{tag}.trash-{uuid.uuid4().hex}")
 
 
-def _all_ranks_ok(ok: bool) -> bool:
+def all_ranks_ok(ok: bool) -> bool:
     """Collective over the world group: True iff ``ok`` on every rank (a barrier with a vote).
 
     gloo votes with a CPU tensor, nccl with one on the current CUDA device. Other backends only
@@ -123,7 +126,7 @@ def _collective_phase(phase: str, tag: str, fn: Callable[[], None]) -> None:
         fn()
     except Exception as e:  # noqa: BLE001 - re-raised below, once the other ranks have voted
         err = e
-    all_ok = _all_ranks_ok(err is None)
+    all_ok = all_ranks_ok(err is None)
     if err is not None:
         raise err
     if not all_ok:
@@ -166,8 +169,10 @@ def _prepare_staging(ckpt_root: str, staging: str) -> None:
 
 
 def _commit(ckpt_root: str, tag: str, staging: str, step: int | None) -> None:
-    """Rank 0: mark ``staging`` done and publish it as ``<ckpt_root>/<tag>``."""
-    done = {"tag": tag, "step": step, "saved_at": time.time(), "writer": "nxd_lc"}
+    """Rank 0: write ``manifest.json``, mark ``staging`` done and publish it as ``<ckpt_root>/<tag>``."""
+    n_files = integrity.merge_rank_manifests(staging)
+    done = {"tag": tag, "step": step, "saved_at": time.time(), "writer": "nxd_lc",
+            "manifest": integrity.MANIFEST_FILE, "algorithm": integrity.ALGORITHM, "files": n_files}
     with open(os.path.join(staging, DONE_FILE), "w") as f:
         json.dump(done, f)
         f.flush()
@@ -190,15 +195,122 @@ def _commit(ckpt_root: str, tag: str, staging: str, step: int | None) -> None:
     _write_newest(ckpt_root)
 
 
+@dataclass
+class StagedSave:
+    """One rank's part of a checkpoint save whose staging directory exists (see :func:`stage_checkpoint`).
+
+    :meth:`write` is local (no collectives: it may run in a background thread); :meth:`publish` is collective
+    and must be called by every rank, after :meth:`write` returned or raised on this rank.
+    """
+
+    ckpt_root: str
+    tag: str
+    staging: str
+    is_global_zero: bool
+    step: int | None
+    files: list[tuple[str, Any, bool]]  # (path relative to staging, state, xser) to write
+    user_content: Any
+    error: BaseException | None = None
+    written: bool = False
+
+    def write(self) -> None:
+        """Write this rank's files and their checksums (``manifest.d/rank_<r>.json``) into the staging dir.
+
+        Never raises: an error is kept in :attr:`error` and reported by :meth:`publish` on every rank.
+        """
+        try:
+            relpaths: list[str] = []
+            for rel, state, xser in self.files:
+                _write_shard(state, os.path.join(self.staging, rel), xser)
+                relpaths += integrity.files_under(self.staging, rel)
+            if self.is_global_zero and self.user_content is not None:
+                torch_save_file(self.user_content, os.path.join(self.staging, USER_CONTENT_FILE), fsync=True)
+                relpaths.append(USER_CONTENT_FILE)
+            integrity.write_rank_manifest(self.staging, collectives.get_global_rank(), relpaths)
+        except BaseException as e:  # noqa: BLE001 - reported collectively by publish()
+            self.error = e
+        finally:
+            self.written = True
+            self.files = []  # drop the state (host copies under async saves) as soon as it is on disk
+
+    def publish(self) -> str:
+        """Collective: vote on every rank's write; rank 0 merges the manifests, writes ``done`` and publishes.
+
+        Returns:
+            The published checkpoint directory ``<ckpt_root>/<tag>``.
+
+        Raises:
+            RuntimeError: a write failed on some rank (this rank re-raises its own error); nothing is published
+                and the previous checkpoints are intact.
+        """
+        def failed_write() -> None:
+            if self.error is not None:
+                raise self.error
+            if not self.written:
+                raise RuntimeError(f"checkpoint {self.tag!r}: publish() called before write()")
+
+        try:
+            _collective_phase("shard writing", self.tag, failed_write)
+            _collective_phase("commit", self.tag, (lambda: _commit(self.ckpt_root, self.tag, self.staging, self.step))
+                              if self.is_global_zero else _noop)
+        except Exception:
+            if self.is_global_zero and not is_complete(self.staging):  # a complete one is kept for cleanup_partial
+                shutil.rmtree(self.staging, ignore_errors=True)
+            raise
+        return os.path.join(self.ckpt_root, self.tag)
+
+
+def _noop() -> None:
+    return None
+
+
+def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
+                     dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
+                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
+                     step: int | None = None) -> StagedSave:
+    """Collective first phase of a save: rank 0 creates the staging directory ``<ckpt_root>/.<tag>.partial``.
+
+    Arguments as :func:`save_checkpoint`. The returned :class:`StagedSave` holds references to the given
+    states: pass host copies when training goes on before :meth:`StagedSave.write` (async saves).
+
+    Raises:
+        ValueError: see :func:`save_checkpoint`.
+        RuntimeError: preparing the staging directory failed on another rank.
+    """
+    _check_tag(tag)
+    checkpoint_file_name(dp_rank, tp_rank, pp_rank)
+    if write_model and model_state is None:
+        raise ValueError("save_checkpoint: write_model=True but model_state is None")
+    if write_optim and optim_state is None:
+        raise ValueError("save_checkpoint: write_optim=True but optim_state is None")
+    if write_model and dp_rank != 0:
+        raise ValueError(f"save_checkpoint: model shards are written by DP rank 0 only (NxD layout), got "
+                         f"write_model=True on dp_rank={dp_rank}; pass write_model=(dp_rank == 0)")
+    staging = _staging_dir(ckpt_root, tag)
+    files: list[tuple[str, Any, bool]] = []
+    if write_model:
+        state = map_tensors(model_state, _to_bf16) if save_bf16 else model_state
+        files.append((f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank)}", state, use_xser))
+    if write_optim:
+        files.append((f"{OPTIM_DIR}/{checkpoint_file_name(dp_rank, tp_rank, pp_rank)}", optim_state, use_xser))
+    _collective_phase("preparation", tag, (lambda: _prepare_staging(ckpt_root, staging)) if is_global_zero else _noop)
+    return StagedSave(ckpt_root=ckpt_root, tag=tag, staging=staging, is_global_zero=is_global_zero,
+                      step=_step_of(step, user_content), files=files,
+                      user_content=user_content if is_global_zero else None)
+
+
 def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
                     dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
                     step: int | None = None) -> str:
-    """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic.
+    """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic, checksummed.
 
     Every rank of the world group must call it (also ranks that write nothing): it votes three
     times (staging prepared, shards written, commit done) so that a failure on any rank makes
-    every rank raise and nothing is published.
+    every rank raise and nothing is published. Each rank records the SHA-256 of the files it
+    wrote; rank 0 merges them into ``manifest.json`` before writing ``done``
+    (:mod:`nxd_lc.checkpoint.integrity`). Equivalent to :func:`stage_checkpoint`, then
+    :meth:`StagedSave.write` and :meth:`StagedSave.publish`.
 
     Args:
         ckpt_root: checkpoint directory shared by all ranks (created if missing).
@@ -225,42 +337,12 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
             requested on a DP rank other than 0.
         RuntimeError: the save failed on another rank (this rank re-raises its own error).
     """
-    _check_tag(tag)
-    checkpoint_file_name(dp_rank, tp_rank, pp_rank)
-    if write_model and model_state is None:
-        raise ValueError("save_checkpoint: write_model=True but model_state is None")
-    if write_optim and optim_state is None:
-        raise ValueError("save_checkpoint: write_optim=True but optim_state is None")
-    if write_model and dp_rank != 0:
-        raise ValueError(f"save_checkpoint: model shards are written by DP rank 0 only (NxD layout), got "
-                         f"write_model=True on dp_rank={dp_rank}; pass write_model=(dp_rank == 0)")
-    staging = _staging_dir(ckpt_root, tag)
-
-    def write_files() -> None:
-        if write_model:
-            state = map_tensors(model_state, _to_bf16) if save_bf16 else model_state
-            path = os.path.join(staging, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
-            _write_shard(state, path, use_xser)
-        if write_optim:
-            path = os.path.join(staging, OPTIM_DIR, checkpoint_file_name(dp_rank, tp_rank, pp_rank))
-            _write_shard(optim_state, path, use_xser)
-        if is_global_zero and user_content is not None:
-            torch_save_file(user_content, os.path.join(staging, USER_CONTENT_FILE), fsync=True)
-
-    def noop() -> None:
-        return None
-
-    _collective_phase("preparation", tag, (lambda: _prepare_staging(ckpt_root, staging))
-                      if is_global_zero else noop)
-    try:
-        _collective_phase("shard writing", tag, write_files)
-        _collective_phase("commit", tag, (lambda: _commit(ckpt_root, tag, staging, _step_of(step, user_content)))
-                          if is_global_zero else noop)
-    except Exception:
-        if is_global_zero and not is_complete(staging):  # a complete one is kept for cleanup_partial
-            shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return os.path.join(ckpt_root, tag)
+    staged = stage_checkpoint(ckpt_root, tag, model_state=model_state, optim_state=optim_state,
+                              user_content=user_content, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
+                              is_global_zero=is_global_zero, write_model=write_model, write_optim=write_optim,
+                              use_xser=use_xser, save_bf16=save_bf16, step=step)
+    staged.write()
+    return staged.publish()
 
 
 def is_complete(path: str) -> bool:
@@ -428,7 +510,19 @@ def _detect_xser(tag_dir: str, use_xser: bool | None) -> bool:
 def _read_shard(path: str, tag_dir: str, use_xser: bool) -> Any:
     if not os.path.isfile(path):
         raise _missing_shard_error(path, tag_dir)
-    return load_xser(path) if use_xser else load_structure(path)
+    return _named_read(path, lambda: load_xser(path) if use_xser else load_structure(path))
+
+
+def _named_read(path: str, read: Callable[[], Any]) -> Any:
+    """``read()``, turning an unreadable file (truncated, not a pickle) into an error that names ``path``."""
+    try:
+        return read()
+    except (FileNotFoundError, integrity.CheckpointIntegrityError):
+        raise
+    except Exception as e:  # noqa: BLE001 - torch.load raises RuntimeError / UnpicklingError / EOFError ...
+        raise integrity.CheckpointIntegrityError(
+            path, f"checkpoint file {path!r} (or a tensor file under it) cannot be read: {type(e).__name__}: {e}. "
+                  f"It is truncated or corrupt; resume from an earlier checkpoint") from e
 
 
 def _optim_path(tag_dir: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
@@ -441,26 +535,56 @@ def _optim_path(tag_dir: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
     return os.path.join(folder, checkpoint_file_name(0, tp_rank, pp_rank))
 
 
-def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
-                    load_optim: bool = True, use_xser: bool | None = None) -> tuple[Any, Any, Any]:
-    """Load this rank's shards of ``<ckpt_root>/<tag>`` (CPU tensors).
+def rank_files(tag_dir: str, *, dp_rank: int, tp_rank: int, pp_rank: int, load_optim: bool = True) -> list[str]:
+    """Paths (relative to ``tag_dir``) of the structure files this rank reads: its model shard, its optimizer
+    shard (when ``load_optim`` and the checkpoint has an ``optim/`` directory) and ``user_content.pt`` if present.
+    """
+    rels = [f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank)}"]
+    if load_optim and os.path.isdir(os.path.join(tag_dir, OPTIM_DIR)):
+        rels.append(os.path.relpath(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir).replace(os.sep, "/"))
+    if os.path.isfile(os.path.join(tag_dir, USER_CONTENT_FILE)):
+        rels.append(USER_CONTENT_FILE)
+    return rels
 
-    Args:
-        ckpt_root, tag: the checkpoint directory is ``<ckpt_root>/<tag>``.
-        dp_rank, tp_rank, pp_rank: this rank's coordinates. The model shard is read from DP rank
-            0's file; the optimizer from this DP rank's file, or DP rank 0's when the checkpoint
-            holds only DP rank 0 optimizer files (saved without zero1).
-        load_optim: read the optimizer shard (else ``None`` is returned for it).
-        use_xser: expected format; ``None`` auto-detects (``*.tensors`` dirs). The detected format
-            is always used; a mismatch with an explicit value only warns.
+
+def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
+                      load_optim: bool = True) -> bool:
+    """Check what this rank would load from ``<ckpt_root>/<tag>`` (local, no collectives).
+
+    With a manifest: every listed file exists with its size (the whole checkpoint), and this rank's files
+    (:func:`rank_files`, each with its xser tensor files) match their SHA-256. When this rank's model shard is
+    not in the checkpoint (saved at another TP/PP layout: the loader re-shards from all shards), every model and
+    optimizer file is hashed. Without a manifest (written before checksums, or by NxD): one warning, and the
+    files this rank reads must exist (their contents cannot be checked).
 
     Returns:
-        ``(model_state, optim_state or None, user_content or None)``.
+        True when the checkpoint has a manifest and passed; False when it has none (unverifiable but present).
 
     Raises:
-        FileNotFoundError: the checkpoint is missing or has no ``done`` marker, or a shard file is
-            missing (message gives the TP/PP/DP sizes found in the directory).
+        FileNotFoundError: no such checkpoint, or it has no ``done`` marker.
+        integrity.CheckpointIntegrityError: a file is missing, truncated or corrupt (names the file).
     """
+    tag_dir = _complete_dir(ckpt_root, tag)
+    manifest = integrity.read_manifest(tag_dir)
+    rels = rank_files(tag_dir, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
+    if manifest is None:
+        integrity.warn_unverified(tag_dir)
+        for rel in rels:
+            if not os.path.isfile(os.path.join(tag_dir, rel)):
+                raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
+        return False
+    integrity.check_present(tag_dir, manifest)
+    if rels[0] not in manifest:  # other layout: the re-sharding loader reads every shard
+        rels = sorted({r.split(".tensors/")[0] for r in manifest if r.startswith((MODEL_DIR + "/", OPTIM_DIR + "/"))}
+                      | {r for r in rels[1:] if r in manifest})
+    for rel in rels:
+        if rel not in manifest:
+            raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
+        integrity.verify_files(tag_dir, integrity.files_under(tag_dir, rel), manifest)
+    return True
+
+
+def _complete_dir(ckpt_root: str, tag: str) -> str:
     _check_tag(tag)
     tag_dir = os.path.join(ckpt_root, tag)
     if not os.path.isdir(tag_dir):
@@ -471,6 +595,35 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
             f"checkpoint {tag_dir!r} has no '{DONE_FILE}' marker: it is incomplete (its save was "
             f"interrupted). If it was written by an NxD release without markers and you know it is "
             f"complete, create the empty file {os.path.join(tag_dir, DONE_FILE)!r}")
+    return tag_dir
+
+
+def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
+                    load_optim: bool = True, use_xser: bool | None = None, verify: bool = True) -> tuple[Any, Any, Any]:
+    """Load this rank's shards of ``<ckpt_root>/<tag>`` (CPU tensors), verified against its manifest.
+
+    Args:
+        ckpt_root, tag: the checkpoint directory is ``<ckpt_root>/<tag>``.
+        dp_rank, tp_rank, pp_rank: this rank's coordinates. The model shard is read from DP rank
+            0's file; the optimizer from this DP rank's file, or DP rank 0's when the checkpoint
+            holds only DP rank 0 optimizer files (saved without zero1).
+        load_optim: read the optimizer shard (else ``None`` is returned for it).
+        use_xser: expected format; ``None`` auto-detects (``*.tensors`` dirs). The detected format
+            is always used; a mismatch with an explicit value only warns.
+        verify: :func:`verify_checkpoint` first (SHA-256 of the files read; files already verified
+            in this process and unchanged since are not hashed again).
+
+    Returns:
+        ``(model_state, optim_state or None, user_content or None)``.
+
+    Raises:
+        FileNotFoundError: the checkpoint is missing or has no ``done`` marker, or a shard file is
+            missing (message gives the TP/PP/DP sizes found in the directory).
+        integrity.CheckpointIntegrityError: a file fails verification or cannot be read (names it).
+    """
+    tag_dir = _complete_dir(ckpt_root, tag)
+    if verify:
+        verify_checkpoint(ckpt_root, tag, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
     xser = _detect_xser(tag_dir, use_xser)
     model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
     model_state = _read_shard(model_path, tag_dir, xser)
@@ -478,5 +631,5 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
     if load_optim:
         optim_state = _read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir, xser)
     uc_path = os.path.join(tag_dir, USER_CONTENT_FILE)
-    user_content = load_structure(uc_path) if os.path.isfile(uc_path) else None
+    user_content = _named_read(uc_path, lambda: load_structure(uc_path)) if os.path.isfile(uc_path) else None
     return model_state, optim_state, user_content

@@ -17,7 +17,7 @@ from typing import Optional
 
 from pytorch_lightning.loggers import Logger, TensorBoardLogger
 
-from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint import integrity, sharded
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import ConfigError, resolve_path
 from nxd_lc.distributed import collectives
@@ -85,6 +85,23 @@ def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
     collectives.barrier()
 
 
+def _verify_everywhere(cfg: NxdConfig, tag_dir: str) -> Optional[str]:
+    """Collective: every rank verifies the files it will load from ``tag_dir``
+    (:func:`nxd_lc.checkpoint.sharded.verify_checkpoint`). Returns None when all ranks passed, else this rank's
+    problem (or a note that another rank failed; that rank logs its own)."""
+    from nxd_lc.lightning.strategy import checkpoint_ranks
+
+    problem: Optional[str] = None
+    try:
+        sharded.verify_checkpoint(os.path.dirname(tag_dir), os.path.basename(tag_dir),
+                                  **checkpoint_ranks(cfg.distributed_strategy.zero1))
+    except (integrity.CheckpointIntegrityError, FileNotFoundError) as e:
+        problem = str(e)
+    if sharded.all_ranks_ok(problem is None):
+        return None
+    return problem or "a file that another rank loads failed verification (see that rank's log)"
+
+
 def _explicit_checkpoint(cfg: NxdConfig) -> Optional[str]:
     em = cfg.exp_manager
     if not em.resume_from_checkpoint:
@@ -93,14 +110,30 @@ def _explicit_checkpoint(cfg: NxdConfig) -> Optional[str]:
     if not sharded.is_complete(path):
         raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint (no "
                            f"'done' marker); pick another tag under {os.path.dirname(path)}"])
+    problem = _verify_everywhere(cfg, path)
+    if problem:
+        raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} failed verification: {problem}; pick "
+                           f"another tag under {os.path.dirname(path)}"])
     return path
 
 
 def _own_latest(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
+    """The newest checkpoint under ``<log_dir>/checkpoints`` that verifies on every rank; newer ones that do not
+    are skipped with a warning naming them (and the failing file)."""
     if not cfg.exp_manager.resume_if_exists or not os.path.isdir(paths.checkpoint_dir):
         return None
-    tag = sharded.latest_checkpoint(paths.checkpoint_dir)
-    return os.path.join(paths.checkpoint_dir, tag) if tag else None
+    skipped = []
+    for tag in reversed(sharded.list_checkpoints(paths.checkpoint_dir)):
+        tag_dir = os.path.join(paths.checkpoint_dir, tag)
+        problem = _verify_everywhere(cfg, tag_dir)
+        if problem is None:
+            return tag_dir
+        log.warning("skipping checkpoint %s: %s; trying the previous one", tag_dir, problem)
+        skipped.append(f"{tag}: {problem}")
+    if skipped:
+        raise ConfigError([f"exp_manager.resume_if_exists: no checkpoint under {paths.checkpoint_dir} passed "
+                           f"verification ({'; '.join(skipped)}); move the damaged ones away to start fresh"])
+    return None
 
 
 def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optional[str]]:
@@ -110,11 +143,15 @@ def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optiona
       ``model.weight_init_only``, where it only initialises the weights (NxDT semantics), and a run that already
       has its own checkpoints resumes from those instead (so a restarted continuation does not start over).
     * otherwise, with ``resume_if_exists``, the newest *complete* checkpoint (``done`` marker) under
-      ``<log_dir>/checkpoints``; staging directories of interrupted saves are never picked.
+      ``<log_dir>/checkpoints`` whose files pass verification on every rank (SHA-256 manifest,
+      :mod:`nxd_lc.checkpoint.integrity`); a newer one that fails is skipped with a warning naming it and the
+      file, and the previous one is used. Staging directories of interrupted saves are never picked.
+
+    Collective (every rank verifies what it will load, then all ranks vote) when torch.distributed is up.
 
     Raises:
-        ConfigError: an explicit checkpoint is incomplete, or none exists and ``resume_ignore_no_checkpoint`` is
-            false.
+        ConfigError: an explicit checkpoint is incomplete or fails verification; checkpoints exist but none
+            verifies; or none exists and ``resume_ignore_no_checkpoint`` is false.
     """
     em = cfg.exp_manager
     explicit, own = _explicit_checkpoint(cfg), _own_latest(cfg, paths)

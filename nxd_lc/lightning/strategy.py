@@ -29,6 +29,17 @@ MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
 
 
+def checkpoint_ranks(zero1: bool) -> dict[str, int]:
+    """This rank's checkpoint file coordinates ``{"dp_rank", "tp_rank", "pp_rank"}`` from ``parallel_state``.
+
+    Under ZeRO-1 ``dp_rank`` is the rank in the DP x CP group (one optimizer shard each; DP rank 0 / CP rank 0 is 0
+    there too, so the model file name is unchanged).
+    """
+    dp = ps.get_data_parallel_rank(with_context_parallel=True) if zero1 else ps.get_data_parallel_rank()
+    return {"dp_rank": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
+            "pp_rank": ps.get_pipeline_model_parallel_rank()}
+
+
 class NxDStrategy(DDPStrategy):
     """DDPStrategy without the DDP wrapper and with NxD sharded (optionally xser) checkpoints.
 
@@ -65,11 +76,8 @@ class NxDStrategy(DDPStrategy):
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
 
     def _ranks(self) -> dict[str, int]:
-        """File-name coordinates; under ZeRO-1 ``dp_rank`` is the rank in the DP x CP group (one optim shard each;
-        DP rank 0 / CP rank 0 is 0 there too, so the model file name is unchanged)."""
-        dp = ps.get_data_parallel_rank(with_context_parallel=True) if self.zero1 else ps.get_data_parallel_rank()
-        return {"dp_rank": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
-                "pp_rank": ps.get_pipeline_model_parallel_rank()}
+        """This rank's checkpoint file coordinates (:func:`checkpoint_ranks`)."""
+        return checkpoint_ranks(self.zero1)
 
     def _master_weight_state(self, model_state: dict[str, Any]) -> dict[str, Any]:
         """``model_state`` with each parameter replaced by its fp32 master weight (collective under ZeRO-1).
