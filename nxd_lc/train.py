@@ -225,14 +225,22 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         print(dry_run(cfg))
         return None
     check_supported(cfg)
-    if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
-        from nxd_lc.runtime.prewarm import run_prewarm
+    from nxd_lc.lightning.preemption import PreemptionCallback
 
-        return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}))
-    return _fit(cfg, trainer_overrides or {})
+    # from here on the preemption signals only set a flag, acted on at a step boundary (nxd_lc.lightning.preemption)
+    preemption = PreemptionCallback(list(cfg.exp_manager.preemption_signals))
+    preemption.install()
+    try:
+        if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
+            from nxd_lc.runtime.prewarm import run_prewarm
+
+            return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}, preemption))
+        return _fit(cfg, trainer_overrides or {}, preemption)
+    finally:
+        preemption.restore()
 
 
-def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
+def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> pl.Trainer:
     from nxd_lc.context import set_context_parallel_algo
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
@@ -270,7 +278,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any]) -> pl.Trainer:
         log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
     if hasattr(module, "prepare_reference"):  # DPO: reference log-probs of the initial policy, before any resume
         module.prepare_reference(data)
-    trainer = build_trainer(cfg, runtime, paths, **trainer_overrides)
+    trainer = build_trainer(cfg, runtime, paths, preemption, **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
     if peft_config(cfg) is not None and not cfg.prewarm:

@@ -41,7 +41,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from nxd_lc.checkpoint import integrity
 from nxd_lc.checkpoint.xser import (
@@ -54,6 +53,7 @@ from nxd_lc.checkpoint.xser import (
     torch_save_file,
 )
 from nxd_lc.distributed import collectives
+from nxd_lc.runtime import faults
 
 logger = logging.getLogger(__name__)
 
@@ -98,25 +98,9 @@ def _trash_dir(ckpt_root: str, tag: str) -> str:
 
 
 def all_ranks_ok(ok: bool) -> bool:
-    """Collective over the world group: True iff ``ok`` on every rank (a barrier with a vote).
-
-    gloo votes with a CPU tensor, nccl with one on the current CUDA device. Other backends only
-    get :func:`collectives.barrier`, so there a rank cannot learn of another rank's failure.
-    Without torch.distributed it returns ``ok``.
-    """
-    if not collectives.is_initialized():
-        return ok
-    backend = str(dist.get_backend()).lower()
-    if "gloo" in backend:
-        device = torch.device("cpu")
-    elif "nccl" in backend:
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        collectives.barrier()
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device)
-    collectives.all_reduce(flag, dist.group.WORLD, op="min")
-    return bool(flag.item())
+    """Collective over the world group: True iff ``ok`` on every rank (a barrier with a vote,
+    :func:`nxd_lc.distributed.collectives.world_max`). Without torch.distributed it returns ``ok``."""
+    return collectives.world_max([0 if ok else 1], tag="nxd_lc_all_ranks_ok")[0] == 0
 
 
 def _collective_phase(phase: str, tag: str, fn: Callable[[], None]) -> None:
@@ -223,6 +207,7 @@ class StagedSave:
             for rel, state, xser in self.files:
                 _write_shard(state, os.path.join(self.staging, rel), xser)
                 relpaths += integrity.files_under(self.staging, rel)
+                faults.inject("mid_save", self.step if self.step is not None else -1)
             if self.is_global_zero and self.user_content is not None:
                 torch_save_file(self.user_content, os.path.join(self.staging, USER_CONTENT_FILE), fsync=True)
                 relpaths.append(USER_CONTENT_FILE)
@@ -253,6 +238,7 @@ class StagedSave:
             _collective_phase("shard writing", self.tag, failed_write)
             _collective_phase("commit", self.tag, (lambda: _commit(self.ckpt_root, self.tag, self.staging, self.step))
                               if self.is_global_zero else _noop)
+            faults.inject("after_publish", self.step if self.step is not None else -1)
         except Exception:
             if self.is_global_zero and not is_complete(self.staging):  # a complete one is kept for cleanup_partial
                 shutil.rmtree(self.staging, ignore_errors=True)

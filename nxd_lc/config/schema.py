@@ -74,7 +74,9 @@ class ExpManagerConfig:
     save_xser: bool = True  # write model/optim shards in xser format (one file per tensor)
     load_xser: bool = True  # read xser shards (auto-detected per checkpoint when false/true mismatch)
     save_bf16: bool = False  # cast floating model weights to bf16 in the saved checkpoint
-    async_checkpointing: bool = False  # save in a background thread (not supported yet when true)
+    async_checkpointing: bool = False  # step waits for a host copy only; files are written in a background thread
+    # signals that make every rank save a checkpoint at the next step boundary and exit 0 ([] = Lightning's default)
+    preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     resume_from_checkpoint: Optional[str] = None  # explicit checkpoint dir (<root>/<tag>) to resume from
     ckpt_ptl_version: Optional[str] = None  # PTL version of a resumed checkpoint recording none (Lightning migrates it)
 

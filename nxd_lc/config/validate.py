@@ -589,7 +589,8 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
 
 
 def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
-    """``exp_manager.ckpt_ptl_version`` must parse as a version (it is compared with the checkpoint's own)."""
+    """``exp_manager.ckpt_ptl_version`` must parse as a version (it is compared with the checkpoint's own);
+    ``exp_manager.preemption_signals`` must name signals nxd_lc handles."""
     from packaging.version import InvalidVersion, Version
 
     version = cfg.exp_manager.ckpt_ptl_version
@@ -599,6 +600,12 @@ def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
     except InvalidVersion:
         return [f"exp_manager.ckpt_ptl_version: {version!r} is not a version; give the pytorch-lightning version "
                 f"the checkpoint was saved with, e.g. '1.8.6', or remove it"]
+    from nxd_lc.lightning.preemption import signal_numbers
+
+    try:
+        signal_numbers(list(cfg.exp_manager.preemption_signals))
+    except ValueError as e:
+        return [str(e)]
     return []
 
 
@@ -696,7 +703,6 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
         (cfg.model_source != "hf", "model_source", cfg.model_source),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
-        (em.async_checkpointing, "exp_manager.async_checkpointing", em.async_checkpointing),
         (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
          em.enable_recovery_time_instrumentation),
     ]

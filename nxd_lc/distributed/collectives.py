@@ -264,3 +264,33 @@ def barrier(group: ProcessGroup | None = None) -> None:
         return
     if group_size(group) > 1:
         dist.barrier(group=group)
+
+
+def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]:
+    """Element-wise maximum of small host integers over every rank of the world group (a vote).
+
+    A control-plane collective (flags such as "a signal arrived", "my write failed"), never on the device
+    graph: gloo reduces a CPU tensor, nccl one on the current CUDA device, xla uses torch-xla's host-side
+    ``xm.mesh_reduce`` (no lazy graph). Every rank must call it, with the same ``len(values)`` and ``tag``.
+    Without torch.distributed (or with one rank) it returns ``list(values)``.
+
+    Raises:
+        RuntimeError: the world group's backend is none of gloo / nccl / xla.
+    """
+    values = [int(v) for v in values]
+    if not is_initialized() or dist.get_world_size() == 1:
+        return values
+    backend = str(dist.get_backend()).lower()
+    if "xla" in backend:
+        import torch_xla.core.xla_model as xm
+
+        return list(xm.mesh_reduce(tag, values, lambda rows: [max(col) for col in zip(*rows)]))
+    if "gloo" in backend:
+        device = torch.device("cpu")
+    elif "nccl" in backend:
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        raise RuntimeError(f"world_max: no host vote for process-group backend {backend!r} (gloo, nccl, xla)")
+    t = torch.tensor(values, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return [int(v) for v in t.tolist()]

@@ -15,18 +15,27 @@ group already initialised and leaves it alone.
 
 from __future__ import annotations
 
+import copy
 import os
+import threading
 from typing import Any, Mapping, Optional
 
+import torch
 from pytorch_lightning.strategies import DDPStrategy
 
 from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
 from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
 MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU copy of ``t`` that training can no longer change (async saves)."""
+    return t.detach().to("cpu", copy=True)
 
 
 def checkpoint_ranks(zero1: bool) -> dict[str, int]:
@@ -55,6 +64,12 @@ class NxDStrategy(DDPStrategy):
             false``); the frozen base weights come from ``model.hf_weights_dir`` on resume.
         ckpt_ptl_version: ``exp_manager.ckpt_ptl_version``: the Lightning version of a loaded checkpoint that
             records none (:func:`nxd_lc.lightning.ckpt_version.apply_ckpt_ptl_version`).
+        async_checkpointing: ``exp_manager.async_checkpointing``: a save only takes host copies of the state
+            (one extra host copy of this rank's model + optimizer shards in memory) and prepares the staging
+            directory; a background thread writes the files and their checksums, and the checkpoint is
+            published (manifest, ``done``, rename) at the first step boundary at which every rank has finished
+            writing (:mod:`nxd_lc.lightning.preemption`). At most one save is in flight: the next save, the end
+            of training and a preemption save wait for it. Removals of older checkpoints wait for publication.
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
 
@@ -62,7 +77,7 @@ class NxDStrategy(DDPStrategy):
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
                  zero1: bool = False, use_master_weights_in_ckpt: bool = False, lora_only: bool = False,
-                 ckpt_ptl_version: Optional[str] = None, **kwargs: Any) -> None:
+                 ckpt_ptl_version: Optional[str] = None, async_checkpointing: bool = False, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.ckpt_ptl_version = ckpt_ptl_version
         self.lora_only = lora_only
@@ -71,6 +86,10 @@ class NxDStrategy(DDPStrategy):
         self.save_bf16 = save_bf16
         self.zero1 = zero1
         self.use_master_weights_in_ckpt = use_master_weights_in_ckpt
+        self.async_checkpointing = async_checkpointing
+        self._async_save: Optional[sharded.StagedSave] = None
+        self._async_thread: Optional[threading.Thread] = None
+        self._deferred_removals: list[Any] = []
 
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
@@ -122,11 +141,62 @@ class NxDStrategy(DDPStrategy):
         ranks = self._ranks()
         # model (and unsharded optimizer) state is identical over DP and CP: one writer per (TP, PP) position
         writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
-        sharded.save_checkpoint(
+        if self.async_checkpointing:
+            self.finish_async_save()  # at most one save in flight
+            model_state, optim_state = map_tensors(model_state, _host_copy), map_tensors(optim_state, _host_copy)
+            content = map_tensors(copy.deepcopy(content), _host_copy)
+        staged = sharded.stage_checkpoint(
             root, tag, model_state=model_state, optim_state=optim_state or None, user_content=content,
             is_global_zero=self.is_global_zero, write_model=writer,
             write_optim=(writer or self.zero1) and bool(optim_state), use_xser=self.save_xser,
             save_bf16=self.save_bf16, **ranks)
+        if not self.async_checkpointing:
+            staged.write()
+            staged.publish()
+            return
+        self._async_save = staged
+        self._async_thread = threading.Thread(target=staged.write, name=f"nxd_lc-save-{tag}", daemon=True)
+        self._async_thread.start()
+
+    # ---------------------------------------------------------------- asynchronous saves
+    def async_write_running(self) -> bool:
+        """True while this rank's background write of an asynchronous save is still running (local)."""
+        return self._async_thread is not None and self._async_thread.is_alive()
+
+    def async_save_pending(self) -> bool:
+        """True when an asynchronous save was started and is not yet published (same value on every rank)."""
+        return self._async_save is not None
+
+    def wait_async_write(self) -> None:
+        """Block until this rank's background write has finished (local, no collective)."""
+        if self._async_thread is not None:
+            self._async_thread.join()
+
+    def publish_async_save(self) -> None:
+        """Collective: vote on every rank's background write and publish the checkpoint (manifest, ``done``,
+        atomic rename), then carry out the checkpoint removals Lightning asked for meanwhile. Waits for this rank's
+        write first. Nothing to do when no asynchronous save is pending.
+
+        Raises:
+            RuntimeError: the write failed on some rank; nothing was published, the previous checkpoints (whose
+                removal was deferred) are kept.
+        """
+        staged = self._async_save
+        if staged is None:
+            return
+        self.wait_async_write()
+        self._async_save, self._async_thread = None, None
+        removals, self._deferred_removals = self._deferred_removals, []
+        staged.publish()
+        for path in removals:
+            self.remove_checkpoint(path)
+        flush = getattr(self.lightning_module.trainer, "loggers", []) if self.lightning_module else []
+        for logger in flush:
+            logger.save()
+
+    def finish_async_save(self) -> None:
+        """Collective: wait for an asynchronous save in flight and publish it (:meth:`publish_async_save`)."""
+        self.publish_async_save()
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         """Read this rank's shards of ``<root>/<tag>`` back into one Lightning checkpoint dict (with its Lightning
@@ -155,8 +225,17 @@ class NxDStrategy(DDPStrategy):
         load_lora_state_dict(self.lightning_module, checkpoint[MODEL_KEY])
 
     def remove_checkpoint(self, filepath: Any) -> None:
-        """Remove ``<root>/<tag>`` (rank 0, atomically: renamed away before deletion)."""
+        """Remove ``<root>/<tag>`` (rank 0, atomically: renamed away before deletion).
+
+        While an asynchronous save is not yet published the removal is deferred until it is: the checkpoint
+        being replaced stays the newest complete one until then. A checkpoint that no longer exists is skipped
+        (the top-k list restored from an older checkpoint can name one removed after that checkpoint was saved).
+        """
+        if self._async_save is not None:
+            self._deferred_removals.append(filepath)
+            return
         if self.is_global_zero:
             root, tag = os.path.split(os.path.abspath(str(filepath)))
-            sharded.remove_checkpoint(root, tag)
+            if os.path.isdir(os.path.join(root, tag)):  # Lightning's restored top-k list may name one already gone
+                sharded.remove_checkpoint(root, tag)
         self.barrier("remove_checkpoint")

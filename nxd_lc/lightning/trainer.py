@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import pytorch_lightning as pl
 
@@ -10,6 +10,7 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import data_parallel_size, peft_config, seq_length
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
+from nxd_lc.lightning.preemption import PreemptionCallback, checkpoint_callback_saver
 from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
@@ -33,6 +34,7 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                 use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
                 zero1=cfg.distributed_strategy.zero1, ckpt_ptl_version=em.ckpt_ptl_version,
+                async_checkpointing=em.async_checkpointing,
                 lora_only=peft_config(cfg) is not None and not peft_config(cfg).save_lora_base)
     autocast = resolve_precision(cfg).autocast_dtype is not None
     if is_xla_accelerator(runtime.accelerator):
@@ -45,7 +47,8 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     return dict(accelerator=runtime.accelerator, strategy=strategy, precision="bf16-mixed" if autocast else "32-true")
 
 
-def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overrides: Any) -> pl.Trainer:
+def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
+                  preemption: Optional[PreemptionCallback] = None, **overrides: Any) -> pl.Trainer:
     """A ``pl.Trainer`` honouring ``trainer.*`` and ``exp_manager.*``.
 
     Gradient accumulation comes from ``global_batch_size``; Lightning's distributed sampler is off (the data
@@ -58,6 +61,8 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overr
         cfg: validated config.
         runtime: the initialised device/process-group info.
         paths: run directories from :func:`experiment_paths`.
+        preemption: the run's :class:`PreemptionCallback` when it was created (and its handlers installed)
+            before the Trainer; a new one otherwise. Its ``save`` is set to the checkpoint callback's.
         **overrides: extra ``pl.Trainer`` keyword arguments (tests).
     """
     t = cfg.trainer
@@ -66,6 +71,10 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths, **overr
     ckpt = build_checkpoint_callback(cfg, paths)
     if ckpt is not None:
         callbacks.append(ckpt)
+    # flag-only signal handlers + the per-step vote (preemption save, parent death, async-save publication)
+    preemption = preemption or PreemptionCallback(list(cfg.exp_manager.preemption_signals))
+    preemption.save = checkpoint_callback_saver(ckpt) if ckpt is not None else None
+    callbacks.append(preemption)
     loggers = build_loggers(cfg, paths)
     accumulation = gradient_accumulation_steps(cfg)
     # NxDT counts an int val_check_interval in optimizer steps; Lightning counts training batches (micro-batches)

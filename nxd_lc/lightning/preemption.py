@@ -1,0 +1,191 @@
+"""Preemption-safe training: signals set a flag; at the next step boundary all ranks agree, save, and stop.
+
+What SLURM (``--signal=USR1@90``, then SIGTERM before a preemption/requeue), Kubernetes (SIGTERM) and a user's
+Ctrl-C (SIGINT) send must never be handled inside the signal handler: a handler runs between two bytecodes of
+whatever the main thread was doing, possibly inside a tensor-parallel collective, and Lightning's own SIGTERM
+handler issues a collective there (a hang when the other rank is inside a TP collective). So
+:class:`PreemptionCallback` replaces the handlers for ``exp_manager.preemption_signals`` by one that only sets a
+flag. At every optimizer-step boundary (``on_train_batch_end`` after ``global_step`` advanced) all ranks take one
+small host vote (:func:`nxd_lc.distributed.collectives.world_max`) over
+
+* "a preemption signal arrived here",
+* "my torchrun parent died" (``os.getppid()`` changed: the worker was re-parented; parent-death detection),
+* "my asynchronous checkpoint write is still running" (:mod:`nxd_lc.lightning.strategy`, ``async_checkpointing``).
+
+When the vote says a signal arrived (on any rank) or a parent died, every rank waits for an asynchronous save in
+flight, saves a complete checkpoint of the step just finished (through the checkpoint callback: its name pattern,
+top-k bookkeeping and atomic publication), and sets ``trainer.should_stop``; ``train.py`` then returns and the
+process exits 0. The work lost is therefore at most the step that was running when the signal arrived; the time to
+exit is the rest of that step plus one save (the README lists measured figures). A second SIGINT raises
+``KeyboardInterrupt`` at once (for a user who does not want to wait).
+
+The same vote also tells when an asynchronous save has been written by every rank, so that it is published at the
+first step boundary after that (see :meth:`nxd_lc.lightning.strategy.NxDStrategy.publish_async_save`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import time
+from types import FrameType
+from typing import Any, Callable, Optional, Union
+
+import pytorch_lightning as pl
+
+from nxd_lc.distributed import collectives
+from nxd_lc.runtime import faults
+
+log = logging.getLogger(__name__)
+
+#: signals ``exp_manager.preemption_signals`` may name
+PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
+_Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+
+def signal_numbers(names: list[str]) -> list[int]:
+    """Signal numbers of ``names`` (e.g. ``["SIGTERM", "SIGUSR1"]``).
+
+    Raises:
+        ValueError: a name outside :data:`PREEMPTION_SIGNALS` (names the key ``exp_manager.preemption_signals``).
+    """
+    bad = [n for n in names if n not in PREEMPTION_SIGNALS]
+    if bad:
+        raise ValueError(f"exp_manager.preemption_signals: {bad} not allowed; choose from {list(PREEMPTION_SIGNALS)}")
+    return [int(getattr(signal, n)) for n in names]
+
+
+class PreemptionCallback(pl.Callback):
+    """Flag-only signal handlers, parent-death detection and the per-step vote (see the module docstring).
+
+    Args:
+        signals: signal names that request a checkpoint-and-exit (``exp_manager.preemption_signals``).
+        save: called on every rank with the trainer to save a complete checkpoint of the current step
+            (collective); None (no checkpoint callback) stops without saving and warns.
+    """
+
+    def __init__(self, signals: list[str], save: Optional[Callable[[pl.Trainer], None]] = None) -> None:
+        self.signums = signal_numbers(signals)
+        self.save = save
+        self.received: Optional[int] = None  # signal number that arrived on this rank
+        self.stopped_for: Optional[str] = None  # why training was stopped (after the vote), for the log / tests
+        self._sigint_count = 0
+        self._previous: dict[int, _Handler] = {}
+        self._ppid = os.getppid()
+        self._last_step = -1
+        self._signal_time: Optional[float] = None
+
+    # ---------------------------------------------------------------- handlers
+    def _handler(self, signum: int, frame: Optional[FrameType]) -> None:
+        """Runs inside the signal: set the flag, nothing else (no I/O beyond a log line, no collective)."""
+        if signum == signal.SIGINT:
+            self._sigint_count += 1
+            if self._sigint_count > 1:
+                raise KeyboardInterrupt
+        if self.received is None:
+            self.received = signum
+            self._signal_time = time.monotonic()
+
+    def install(self) -> None:
+        """Install the flag-only handlers (main thread only), remembering the handlers found the first time.
+
+        Called as early as possible in a run (``train.py``, before the model is built, so that a signal during
+        start-up or checkpoint restore is kept for the first step boundary) and again at ``on_train_start``,
+        after Lightning's signal connector registered its own SIGTERM handler (which would run a collective
+        inside the handler).
+        """
+        for s in self.signums:
+            if s not in self._previous:
+                self._previous[s] = signal.getsignal(s)
+            signal.signal(s, self._handler)
+
+    def restore(self) -> None:
+        """Put back the handlers found by :meth:`install`."""
+        for s, h in self._previous.items():
+            signal.signal(s, h if h is not None else signal.SIG_DFL)
+        self._previous = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """Install after Lightning's signal connector registered its handlers (it does so before this hook)."""
+        self._last_step = trainer.global_step
+        self.install()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        """An asynchronous save still in flight is written and published before training ends."""
+        self._finish_async(trainer)
+        self.restore()
+
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        """On a crash: let an asynchronous write finish (never published: no collective here) and restore."""
+        wait = getattr(trainer.strategy, "wait_async_write", None)
+        if wait is not None:
+            wait()
+        self.restore()
+
+    # ---------------------------------------------------------------- step boundary
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        """Fault-injection point ``mid_step`` (:mod:`nxd_lc.runtime.faults`; nothing unless NXD_LC_FAULT is set)."""
+        faults.inject("mid_step", trainer.global_step + 1)
+
+    def parent_died(self) -> bool:
+        """True when this process was re-parented since the callback was created (its launcher died)."""
+        return os.getppid() != self._ppid
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        """At an optimizer-step boundary: vote, publish a finished async save, and save + stop on preemption."""
+        if trainer.global_step == self._last_step:  # inside a gradient-accumulation step
+            return
+        self._last_step = trainer.global_step
+        strategy = trainer.strategy
+        writing = bool(getattr(strategy, "async_write_running", lambda: False)())
+        signalled, orphaned, busy = collectives.world_max(
+            [self.received is not None, self.parent_died(), writing], tag="nxd_lc_step_vote")
+        if not busy and getattr(strategy, "async_save_pending", lambda: False)():
+            strategy.publish_async_save()
+        if not (signalled or orphaned):
+            return
+        self.stopped_for = "preemption signal" if signalled else "launcher (torchrun) died"
+        name = signal.Signals(self.received).name if self.received is not None else "another rank's signal"
+        log.warning("rank %d: %s (%s) at step %d: saving a checkpoint and stopping", trainer.global_rank,
+                    self.stopped_for,
+                    name if signalled else f"parent pid {self._ppid} gone", trainer.global_step)
+        self._finish_async(trainer)
+        if self.save is None:
+            log.warning("no checkpoint callback (exp_manager.create_checkpoint_callback: false): stopping without "
+                        "a checkpoint; the work since the start is lost")
+        else:
+            self.save(trainer)
+        trainer.should_stop = True
+        if self._signal_time is not None and trainer.is_global_zero:
+            log.warning("preemption checkpoint of step %d saved %.1f s after the signal", trainer.global_step,
+                        time.monotonic() - self._signal_time)
+
+    @staticmethod
+    def _finish_async(trainer: pl.Trainer) -> None:
+        finish = getattr(trainer.strategy, "finish_async_save", None)
+        if finish is not None:
+            finish()
+
+
+def checkpoint_callback_saver(callback: Any) -> Callable[[pl.Trainer], None]:
+    """A ``save`` for :class:`PreemptionCallback` through Lightning's ``ModelCheckpoint`` ``callback``.
+
+    The checkpoint gets the callback's name pattern and enters its top-k bookkeeping (so ``save_top_k`` still
+    holds); when the monitor would not keep it (a metric monitor on which this step is not among the best k), it
+    is saved all the same: a preemption checkpoint is for resuming, and the newest by step is what
+    ``resume_if_exists`` picks. A step already saved (a periodic save at this very step) is not saved again.
+    """
+    def save(trainer: pl.Trainer) -> None:
+        if callback._last_global_step_saved == trainer.global_step:
+            return
+        candidates = callback._monitor_candidates(trainer)
+        callback._save_topk_checkpoint(trainer, candidates)
+        if callback._last_global_step_saved != trainer.global_step:
+            trainer.save_checkpoint(callback.format_checkpoint_name(candidates))
+            callback._last_global_step_saved = trainer.global_step
+        callback._save_last_checkpoint(trainer, candidates)
+
+    return save
