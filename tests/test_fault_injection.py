@@ -1,5 +1,6 @@
 """Fault injection through torchrun (TP=2 on 2 gloo processes): kill -9 at three moments, SIGTERM mid-step and
-mid-save, a flipped byte and a truncated file, each followed by a restart of the same command. After every
+mid-save (the mid-save faults with asynchronous saves), a flipped byte and a truncated file, each followed by a
+restart of the same command. After every
 restart the loss of every step trained must be bitwise equal to an uninterrupted run's, and the run must resume
 from the newest checkpoint that was published and verifies (the documented bound: a kill -9 loses the steps since
 the last published checkpoint, a SIGTERM loses none).
@@ -93,8 +94,10 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     (ref,) = _losses(ref_dir)
     assert sorted(ref) == list(range(1, MAX_STEPS + 1))
 
-    def launch(fault: str, resumed_from: int | None, expect_ok: bool) -> tuple[subprocess.CompletedProcess, float]:
-        out, seconds = _launch(run, corpus, cache, fault)
+    def launch(fault: str, resumed_from: int | None, expect_ok: bool,
+               asynchronous: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+        out, seconds = _launch(run, corpus, cache, fault,
+                               extra=("exp_manager.async_checkpointing=true",) if asynchronous else ())
         text = out.stdout + out.stderr
         assert (out.returncode == 0) == expect_ok or "got signal: 15" in text, text[-3000:]
         assert _resumed_step(out) == resumed_from, text[-3000:]
@@ -106,11 +109,12 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     # 2. restart: resumes from 2; kill -9 of rank 0 just after checkpoint 4 is published
     launch("kill9@after_publish:4:0", 2, expect_ok=False)
     assert _steps(run) == [2, 4]
-    # 3. restart: resumes from 4; kill -9 of rank 1 in the middle of saving checkpoint 6 (staging half written)
-    launch("kill9@mid_save:6:1", 4, expect_ok=False)
+    # 3.-5. with asynchronous saves (the writes run in a background thread; the checkpoints are the same)
+    # 3. restart: resumes from 4; kill -9 of rank 1 in the middle of writing checkpoint 6 (staging half written)
+    launch("kill9@mid_save:6:1", 4, expect_ok=False, asynchronous=True)
     assert _steps(run) == [2, 4]
     # 4. restart: resumes from 4; SIGTERM to torchrun in the middle of step 5: the workers save step 5, exit 0
-    out, seconds = launch("sigterm_launcher@mid_step:5:0", 4, expect_ok=True)
+    out, seconds = launch("sigterm_launcher@mid_step:5:0", 4, expect_ok=True, asynchronous=True)
     assert _steps(run) == [2, 4, 5]
     assert "preemption checkpoint of step 5 saved" in out.stdout + out.stderr
     assert seconds < 90  # the whole launch; the signal-to-saved time is logged and checked below
@@ -118,7 +122,7 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     assert secs < 30
     # 5. restart: resumes from 5; SIGTERM while checkpoint 6 is being written: that save completes, the step
     #    running when the signal is seen (7) is saved too, exit 0
-    launch("sigterm_launcher@mid_save:6:0", 5, expect_ok=True)
+    launch("sigterm_launcher@mid_save:6:0", 5, expect_ok=True, asynchronous=True)
     assert _steps(run) == [5, 6, 7]
     # 6. damage: a flipped byte in checkpoint 7, a truncated file in checkpoint 6; the restart skips both (warning
     #    naming them) and resumes from 5, the newest that verifies
@@ -140,3 +144,57 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     for d in launches:
         for step, loss in d.items():
             assert loss == ref[step], (step, loss, ref[step])  # bitwise: the float32 values are equal
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                stat = open(f"/proc/{d}/stat").read()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4: ppid
+                out.append(int(d))
+    return out
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_workers_stop_and_save_when_torchrun_dies(tmp_path: Any) -> None:
+    """kill -9 of the torchrun parent: the workers notice at the next step boundary, save, and exit."""
+    import signal
+
+    corpus, cache, run = _small_corpus(str(tmp_path)), str(tmp_path / "cache"), str(tmp_path / "run")
+    cmd = [TORCHRUN, "--standalone", "--nproc_per_node=2", "train.py", "--config-name", "cpu_tiny_llama_config",
+           f"exp_manager.explicit_log_dir={run}", "trainer.max_steps=400", "trainer.log_every_n_steps=1",
+           "trainer.val_check_interval=1000", "trainer.limit_val_batches=0", "+trainer.enable_progress_bar=false",
+           "exp_manager.checkpoint_callback_params.every_n_train_steps=1000", "~data.builtin_corpus",
+           f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
+           "data.tokenizer.vocab_size=1024", f"+data.tokenizer.cache_dir={cache}", "model.encoder_seq_length=128"]
+    log_path = str(tmp_path / "out.log")
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+                                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while "step 2/400" not in open(log_path).read():
+            assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
+            time.sleep(0.5)
+        workers = _children(proc.pid)
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        deadline = time.monotonic() + 60
+        while any(_alive(w) for w in workers):
+            assert time.monotonic() < deadline, "workers still running 60 s after their launcher died"
+            time.sleep(0.5)
+    text = open(log_path).read()
+    assert "launcher (torchrun) died" in text, text[-3000:]
+    steps = _steps(run)
+    assert len(steps) == 1 and 2 <= steps[0] < 400  # saved at the step boundary where the death was noticed
