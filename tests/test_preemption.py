@@ -1,0 +1,41 @@
+"""PreemptionCallback's signal handling in-process (the torchrun behaviour is in test_fault_injection.py)."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from nxd_lc.lightning.preemption import PreemptionCallback, signal_numbers
+
+
+def test_signal_names_are_checked() -> None:
+    assert signal_numbers(["SIGTERM", "SIGUSR1"]) == [signal.SIGTERM, signal.SIGUSR1]
+    with pytest.raises(ValueError, match=r"exp_manager.preemption_signals: \['SIGKILL'\] not allowed"):
+        signal_numbers(["SIGKILL"])
+
+
+def test_handlers_only_set_a_flag_and_are_restored() -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
+    cb = PreemptionCallback(["SIGTERM", "SIGUSR1", "SIGINT"])
+    cb.install()
+    cb.install()  # again, as on_train_start does after Lightning's connector: the originals are still remembered
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)  # default action would end the process
+        assert cb.received == signal.SIGUSR1
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert cb.received == signal.SIGUSR1  # the first signal is what is reported
+        os.kill(os.getpid(), signal.SIGINT)  # first Ctrl-C: a flag
+        with pytest.raises(KeyboardInterrupt):  # second Ctrl-C: at once
+            os.kill(os.getpid(), signal.SIGINT)
+    finally:
+        cb.restore()
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_parent_death_is_a_changed_ppid() -> None:
+    cb = PreemptionCallback([])
+    assert not cb.parent_died()
+    cb._ppid = -1  # as if the launcher that started us were gone
+    assert cb.parent_died()
