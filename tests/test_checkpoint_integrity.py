@@ -132,14 +132,21 @@ def test_resume_if_exists_falls_back_past_a_corrupt_newest(tmp_path: Any, caplog
         assert exp_manager.resume_plan(cfg, paths) == (older, None)
     assert any("skipping checkpoint" in r.getMessage() and "step=4" in r.getMessage() and "tensor_0.pt" in
                r.getMessage() for r in caplog.records)
+    # the damaged one was moved aside (hidden, kept for inspection)
+    (aside,) = [n for n in os.listdir(paths.checkpoint_dir) if n.startswith(".step=4.corrupt-")]
+    assert sharded.list_checkpoints(paths.checkpoint_dir) == ["step=2"]
     # an explicit resume_from_checkpoint fails loudly instead
+    newest = os.path.join(str(tmp_path), "explicit", "step=4")
+    os.makedirs(os.path.dirname(newest))
+    os.replace(os.path.join(paths.checkpoint_dir, aside), newest)
     explicit = _cfg(explicit_log_dir=str(tmp_path / "other"), resume_from_checkpoint=newest)
     with pytest.raises(ConfigError, match="resume_from_checkpoint: .*step=4 failed verification: .*corrupt"):
         exp_manager.resume_plan(explicit, exp_manager.experiment_paths(explicit))
-    # nothing verifies: an error, not a silent fresh start
+    # nothing verifies: an error, not a silent fresh start, and nothing is moved
     os.truncate(os.path.join(older, "user_content.pt"), 3)
     with pytest.raises(ConfigError, match="no checkpoint under .* passed verification"):
         exp_manager.resume_plan(cfg, paths)
+    assert sharded.list_checkpoints(paths.checkpoint_dir) == ["step=2"]
 
 
 def _fallback_worker(rank: int, world_size: int, root: str) -> None:

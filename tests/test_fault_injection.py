@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.lane1_only]
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-MAX_STEPS = 8
+MAX_STEPS = 10
 
 
 def _launch(log_dir: str, corpus: str, cache: str, fault: str = "", max_steps: int = MAX_STEPS,
@@ -125,7 +125,7 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     launch("sigterm_launcher@mid_save:6:0", 5, expect_ok=True, asynchronous=True)
     assert _steps(run) == [5, 6, 7]
     # 6. damage: a flipped byte in checkpoint 7, a truncated file in checkpoint 6; the restart skips both (warning
-    #    naming them) and resumes from 5, the newest that verifies
+    #    naming them), moves them aside, resumes from 5, the newest that verifies, and trains to the end
     tags = sharded.list_checkpoints(os.path.join(run, "checkpoints"))
     _flip_byte(_tensor_file(os.path.join(run, "checkpoints", tags[2])))
     uc = os.path.join(run, "checkpoints", tags[1], "user_content.pt")
@@ -135,12 +135,17 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     assert re.search(r"skipping checkpoint \S*step=7\S*: checkpoint file \S*tensor_\d+\.pt' is corrupt", text)
     assert re.search(r"skipping checkpoint \S*step=6\S*: checkpoint file \S*user_content\.pt' has \d+ bytes", text)
 
+    aside = sorted(n for n in os.listdir(os.path.join(run, "checkpoints")) if ".corrupt-" in n)
+    assert [re.search(r"step=(\d+)-", n).group(1) for n in aside] == ["6", "7"]  # type: ignore[union-attr]
+    # save_top_k=3 holds across restarts: the checkpoint resumed from (5) was removed once 3 newer ones existed
+    assert _steps(run) == [6, 8, 10]
+
     launches = _losses(run)
     assert len(launches) == 6
     trained = [sorted(d) for d in launches]
     # the bound: each restart redoes exactly the steps after the checkpoint it resumed from
-    assert trained[0][:2] == [1, 2] and trained[1][0] == 3 and trained[2][0] == 5 and trained[3] == [5]
-    assert trained[4] == [6, 7] and trained[5] == [6, 7, 8]
+    assert trained[0] == [1, 2] and trained[1][0] == 3 and trained[2][0] == 5 and trained[3] == [5]
+    assert trained[4] == [6, 7] and trained[5] == [6, 7, 8, 9, 10]
     for d in launches:
         for step, loss in d.items():
             assert loss == ref[step], (step, loss, ref[step])  # bitwise: the float32 values are equal

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from pathlib import Path
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -32,6 +33,19 @@ class NxDModelCheckpoint(ModelCheckpoint):
                    save_top_k=params.save_top_k, mode=params.mode, save_last=params.save_last,
                    every_n_train_steps=params.every_n_train_steps, save_on_train_epoch_end=False,
                    auto_insert_metric_name=True)
+
+    def _should_remove_checkpoint(self, trainer: pl.Trainer, previous: str, current: str) -> bool:
+        """Remove a checkpoint that dropped out of the top k, including the one this run resumed from.
+
+        Lightning never removes the checkpoint a run resumed from, so every restart would keep one more than
+        ``save_top_k``; NxDT keeps ``save_top_k``. That is safe here because a removal happens only after its
+        successor is published (synchronous saves are published before Lightning removes anything; removals
+        under ``async_checkpointing`` wait for the publication). Checkpoints outside ``dirpath`` (an explicit
+        ``resume_from_checkpoint`` elsewhere) are never removed.
+        """
+        if previous == current or self.dirpath is None:
+            return False
+        return Path(self.dirpath).absolute() in Path(previous).absolute().parents
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """After a resume, do not re-save the step that was just restored.

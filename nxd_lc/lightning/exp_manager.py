@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Optional
 
@@ -117,19 +118,34 @@ def _explicit_checkpoint(cfg: NxdConfig) -> Optional[str]:
     return path
 
 
+def _quarantine(checkpoint_dir: str, tag: str) -> None:
+    """Move a checkpoint that failed verification aside to the hidden ``.<tag>.corrupt-<time>`` (kept for
+    inspection, never listed, loaded or counted by ``save_top_k`` again; a new save may reuse ``<tag>``)."""
+    aside = os.path.join(checkpoint_dir, f".{tag}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+    os.replace(os.path.join(checkpoint_dir, tag), aside)
+    log.warning("moved the damaged checkpoint aside to %s; delete it when it is no longer needed", aside)
+
+
 def _own_latest(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
     """The newest checkpoint under ``<log_dir>/checkpoints`` that verifies on every rank; newer ones that do not
-    are skipped with a warning naming them (and the failing file)."""
+    are skipped with a warning naming them (and the failing file) and, once a good one is found, moved aside
+    (:func:`_quarantine`). When none verifies nothing is moved and the run stops (a fresh start would need the
+    user's decision)."""
     if not cfg.exp_manager.resume_if_exists or not os.path.isdir(paths.checkpoint_dir):
         return None
-    skipped = []
+    skipped: list[str] = []
+    bad_tags: list[str] = []
     for tag in reversed(sharded.list_checkpoints(paths.checkpoint_dir)):
         tag_dir = os.path.join(paths.checkpoint_dir, tag)
         problem = _verify_everywhere(cfg, tag_dir)
         if problem is None:
+            if collectives.get_global_rank() == 0:  # every rank has voted: nobody reads the damaged ones any more
+                for bad in bad_tags:
+                    _quarantine(paths.checkpoint_dir, bad)
             return tag_dir
         log.warning("skipping checkpoint %s: %s; trying the previous one", tag_dir, problem)
         skipped.append(f"{tag}: {problem}")
+        bad_tags.append(tag)
     if skipped:
         raise ConfigError([f"exp_manager.resume_if_exists: no checkpoint under {paths.checkpoint_dir} passed "
                            f"verification ({'; '.join(skipped)}); move the damaged ones away to start fresh"])

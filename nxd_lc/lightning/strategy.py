@@ -153,6 +153,7 @@ class NxDStrategy(DDPStrategy):
         if not self.async_checkpointing:
             staged.write()
             staged.publish()
+            self._flush_loggers()
             return
         self._async_save = staged
         self._async_thread = threading.Thread(target=staged.write, name=f"nxd_lc-save-{tag}", daemon=True)
@@ -190,9 +191,17 @@ class NxDStrategy(DDPStrategy):
         staged.publish()
         for path in removals:
             self.remove_checkpoint(path)
-        flush = getattr(self.lightning_module.trainer, "loggers", []) if self.lightning_module else []
-        for logger in flush:
+        self._flush_loggers()
+
+    def _flush_loggers(self) -> None:
+        """Flush the loggers when a checkpoint is published, so that no logged step older than the newest
+        checkpoint can be lost to a crash (TensorBoard buffers events for up to its flush interval)."""
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        for logger in getattr(trainer, "loggers", None) or []:
             logger.save()
+            flush = getattr(logger.experiment, "flush", None) if trainer.is_global_zero else None
+            if callable(flush):
+                flush()
 
     def finish_async_save(self) -> None:
         """Collective: wait for an asynchronous save in flight and publish it (:meth:`publish_async_save`)."""
