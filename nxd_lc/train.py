@@ -238,6 +238,9 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         return _fit(cfg, trainer_overrides or {}, preemption)
     finally:
         preemption.restore()
+        from nxd_lc.lightning.exp_manager import release_run_dir
+
+        release_run_dir()
 
 
 def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> pl.Trainer:
@@ -261,6 +264,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> 
     set_context_parallel_algo(ds.context_parallel_algo)
     set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)
     paths = exp_manager.experiment_paths(cfg)
+    exp_manager.lock_run_dir(paths, is_global_zero=runtime.rank == 0)  # before anything is written there
     exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
     if runtime.rank == 0:
         log.info("effective environment:\n%s", format_env_table(env_entries))

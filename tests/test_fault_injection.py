@@ -173,7 +173,8 @@ def _alive(pid: int) -> bool:
 
 
 def test_workers_stop_and_save_when_torchrun_dies(tmp_path: Any) -> None:
-    """kill -9 of the torchrun parent: the workers notice at the next step boundary, save, and exit."""
+    """A second job on the same run directory is refused; kill -9 of the torchrun parent: the workers notice at the
+    next step boundary, save, exit and release the run-directory lock."""
     import signal
 
     corpus, cache, run = _small_corpus(str(tmp_path)), str(tmp_path / "cache"), str(tmp_path / "run")
@@ -191,6 +192,10 @@ def test_workers_stop_and_save_when_torchrun_dies(tmp_path: Any) -> None:
         while "step 2/400" not in open(log_path).read():
             assert proc.poll() is None and time.monotonic() < deadline, open(log_path).read()[-3000:]
             time.sleep(0.5)
+        # a second job on the same run directory is refused while this one holds it
+        second = subprocess.run(cmd, cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True,
+                                text=True, timeout=300, check=False)
+        assert second.returncode != 0 and "is in use by pid" in second.stderr, second.stderr[-3000:]
         workers = _children(proc.pid)
         assert len(workers) == 2
         os.kill(proc.pid, signal.SIGKILL)
@@ -201,5 +206,6 @@ def test_workers_stop_and_save_when_torchrun_dies(tmp_path: Any) -> None:
             time.sleep(0.5)
     text = open(log_path).read()
     assert "launcher (torchrun) died" in text, text[-3000:]
+    assert not os.path.exists(os.path.join(run, ".nxd_lc.lock"))  # released by the exiting workers
     steps = _steps(run)
     assert len(steps) == 1 and 2 <= steps[0] < 400  # saved at the step boundary where the death was noticed

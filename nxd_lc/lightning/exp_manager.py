@@ -23,6 +23,7 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import ConfigError, resolve_path
 from nxd_lc.distributed import collectives
 from nxd_lc.lightning.callbacks import NxDModelCheckpoint
+from nxd_lc.lightning.run_lock import RunLock
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +76,39 @@ def build_checkpoint_callback(cfg: NxdConfig, paths: ExpPaths) -> Optional[NxDMo
     if not cfg.exp_manager.create_checkpoint_callback:
         return None
     return NxDModelCheckpoint.from_config(cfg.exp_manager.checkpoint_callback_params, paths.checkpoint_dir)
+
+
+_held_lock: Optional[RunLock] = None
+
+
+def lock_run_dir(paths: ExpPaths, is_global_zero: bool) -> None:
+    """Collective: global rank 0 takes ``<log_dir>/.nxd_lc.lock`` (:mod:`nxd_lc.lightning.run_lock`), all ranks
+    learn whether it succeeded. Released by :func:`release_run_dir`.
+
+    Raises:
+        ConfigError: another job holds the run directory (on rank 0 with the owner; on the others a pointer to
+            rank 0's message).
+    """
+    global _held_lock
+    error: Optional[ConfigError] = None
+    if is_global_zero:
+        lock = RunLock(paths.log_dir)
+        try:
+            lock.acquire()
+            _held_lock = lock
+        except ConfigError as e:
+            error = e
+    if not sharded.all_ranks_ok(error is None):
+        raise error or ConfigError([f"exp_manager: global rank 0 could not lock the run directory {paths.log_dir} "
+                                    f"(another job uses it; see rank 0's message)"])
+
+
+def release_run_dir() -> None:
+    """Release the run-directory lock taken by :func:`lock_run_dir` in this process (no-op if none)."""
+    global _held_lock
+    if _held_lock is not None:
+        _held_lock.release()
+        _held_lock = None
 
 
 def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:

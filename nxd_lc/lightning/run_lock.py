@@ -1,0 +1,159 @@
+"""One job per run directory: ``<log_dir>/.nxd_lc.lock``, held by global rank 0 for the whole run.
+
+Two jobs writing checkpoints into one ``log_dir`` would publish, remove and resume each other's checkpoints. The
+lock file is created with ``O_CREAT | O_EXCL`` (atomic on local and NFSv3+ filesystems) and holds JSON::
+
+    {"pid": 1234, "host": "node-1", "started_at": 1763942400.0, "process_start": 123456789,
+     "slurm_job_id": "42", "torchelastic_run_id": "..."}
+
+A lock that exists is **stale**, and taken over with a warning, when
+
+* its host is this host and its pid is not running, or is running but started at another time (pid reused:
+  ``process_start`` is field 22 of ``/proc/<pid>/stat``); or
+* it carries the same ``SLURM_JOB_ID`` as this process (a requeued SLURM job is the same job on any node:
+  the previous allocation is gone by the time the job runs again).
+
+Otherwise the run stops with a :class:`~nxd_lc.config.validate.ConfigError` that names the lock file, its owner and
+the fix. The lock is released (the file deleted, only if it is still ours) when the run ends, also on an exception,
+and at interpreter exit. A lock left by a job killed with -9 on another host cannot be proven stale: delete it by
+hand once that job is gone (the message says so).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from typing import Any, Optional
+
+from nxd_lc.config.validate import ConfigError
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = ".nxd_lc.lock"
+
+
+def _process_start(pid: int) -> Optional[int]:
+    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), None if not running."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return int(fields[19]) if fields[0] != "Z" else None
+
+
+def _pid_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _owner_record() -> dict[str, Any]:
+    pid = os.getpid()
+    return {"pid": pid, "host": socket.gethostname(), "started_at": time.time(), "process_start": _process_start(pid),
+            "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
+            "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
+
+
+def stale_reason(owner: dict[str, Any]) -> Optional[str]:
+    """Why the lock of ``owner`` may be taken over, or None when its job may still be running (see module doc)."""
+    mine = _owner_record()
+    if owner.get("slurm_job_id") and owner.get("slurm_job_id") == mine["slurm_job_id"]:
+        return f"it belongs to this SLURM job ({mine['slurm_job_id']}) before a requeue"
+    if owner.get("host") != mine["host"]:
+        return None
+    pid = owner.get("pid")
+    if not isinstance(pid, int):
+        return "it names no pid"
+    if not _pid_running(pid):
+        return f"its process {pid} on this host is gone"
+    start = _process_start(pid)
+    if owner.get("process_start") is not None and start is not None and start != owner.get("process_start"):
+        return f"pid {pid} was reused by another process"
+    return None
+
+
+class RunLock:
+    """The lock of one run directory, held by this process (see the module docstring)."""
+
+    def __init__(self, log_dir: str) -> None:
+        self.path = os.path.join(log_dir, LOCK_FILE)
+        self.record = _owner_record()
+        self.held = False
+
+    def _create(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            return False
+        with os.fdopen(fd, "w") as f:
+            json.dump(self.record, f)
+            f.flush()
+            os.fsync(f.fileno())
+        self.held = True
+        return True
+
+    def _read_owner(self) -> dict[str, Any]:
+        try:
+            with open(self.path) as f:
+                owner = json.load(f)
+            return owner if isinstance(owner, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def acquire(self) -> None:
+        """Create the lock, taking over a stale one.
+
+        Raises:
+            ConfigError: another live job holds it (names the file, owner pid/host/start time and the fix).
+        """
+        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        for _ in range(3):
+            if self._create():
+                atexit.register(self.release)
+                return
+            owner = self._read_owner()
+            if owner.get("pid") == self.record["pid"] and owner.get("host") == self.record["host"]:
+                self.held = True  # this process took it already (e.g. prewarm then the run)
+                return
+            reason = stale_reason(owner)
+            if reason is None:
+                started = owner.get("started_at")
+                when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(started)) if isinstance(
+                    started, (int, float)) else "?"
+                raise ConfigError([
+                    f"exp_manager: the run directory {os.path.dirname(self.path)} is in use by pid {owner.get('pid')} "
+                    f"on host {owner.get('host')} (started {when}; lock file {self.path}). Two jobs cannot share a "
+                    f"run directory: give this one another exp_manager.explicit_log_dir / exp_manager.name, or stop "
+                    f"that job; if it is gone (e.g. killed on another host), delete {self.path}"])
+            log.warning("taking over the lock %s of pid %s on %s: %s", self.path, owner.get("pid"),
+                        owner.get("host"), reason)
+            aside = f"{self.path}.stale-{uuid.uuid4().hex}"
+            try:  # one taker wins the rename; the others find the new lock on their next try
+                os.replace(self.path, aside)
+                os.remove(aside)
+            except FileNotFoundError:
+                pass
+        raise ConfigError([f"exp_manager: could not take the run-directory lock {self.path} (another job keeps "
+                           f"taking it); stop the other job or use another log dir"])
+
+    def release(self) -> None:
+        """Delete the lock file if this process still holds it (idempotent)."""
+        if not self.held:
+            return
+        self.held = False
+        owner = self._read_owner()
+        if owner.get("pid") == self.record["pid"] and owner.get("host") == self.record["host"]:
+            try:
+                os.remove(self.path)
+            except FileNotFoundError:
+                pass
