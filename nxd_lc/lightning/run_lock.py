@@ -31,35 +31,16 @@ import uuid
 from typing import Any, Optional
 
 from nxd_lc.config.validate import ConfigError
+from nxd_lc.runtime.process import pid_alive, process_start
 
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".nxd_lc.lock"
 
 
-def _process_start(pid: int) -> Optional[int]:
-    """Start time of ``pid`` in clock ticks since boot (``/proc/<pid>/stat`` field 22), None if not running."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return int(fields[19]) if fields[0] != "Z" else None
-
-
-def _pid_running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _owner_record() -> dict[str, Any]:
     pid = os.getpid()
-    return {"pid": pid, "host": socket.gethostname(), "started_at": time.time(), "process_start": _process_start(pid),
+    return {"pid": pid, "host": socket.gethostname(), "started_at": time.time(), "process_start": process_start(pid),
             "slurm_job_id": os.environ.get("SLURM_JOB_ID"),
             "torchelastic_run_id": os.environ.get("TORCHELASTIC_RUN_ID")}
 
@@ -74,9 +55,9 @@ def stale_reason(owner: dict[str, Any]) -> Optional[str]:
     pid = owner.get("pid")
     if not isinstance(pid, int):
         return "it names no pid"
-    if not _pid_running(pid):
+    if not pid_alive(pid):
         return f"its process {pid} on this host is gone"
-    start = _process_start(pid)
+    start = process_start(pid)
     if owner.get("process_start") is not None and start is not None and start != owner.get("process_start"):
         return f"pid {pid} was reused by another process"
     return None

@@ -46,6 +46,8 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from nxd_lc.runtime.process import pid_alive
+
 __all__ = [
     "MARKER_FILE",
     "convert_gguf_to_hf",
@@ -276,22 +278,12 @@ def _write_conversion(tmp: Path, gguf_path: Path, num_layers: int | None, dtype:
     (tmp / MARKER_FILE).write_text(json.dumps(marker, indent=2) + "\n")
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _remove_stale_tmp(out_dir: Path) -> None:
     """Delete ``.<name>.tmp-<pid>-*`` / ``.<name>.old-<pid>-*`` siblings left by runs that no longer live."""
     for path in out_dir.parent.glob(f".{out_dir.name}.*-*"):
         kind, _, rest = path.name[len(out_dir.name) + 2:].partition("-")
         pid = rest.split("-", 1)[0]
-        if kind in ("tmp", "old") and pid.isdigit() and not _pid_alive(int(pid)):
+        if kind in ("tmp", "old") and pid.isdigit() and not pid_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
 
 
