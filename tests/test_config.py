@@ -305,3 +305,29 @@ def test_register_configs_puts_schema_in_config_store() -> None:
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None), \
             pytest.raises(ConfigCompositionException, match="trainer.max_steps"):
         compose(config_name="nxd_lc_schema", overrides=["trainer.max_steps=many"])
+
+
+# ------------------------------------------------------------------------------------------ raw crashes (issue 11)
+
+@pytest.mark.parametrize("value", [0, -3, 0.0, 1.5, True])
+def test_val_check_interval_must_be_positive_steps_or_a_fraction(value: Any) -> None:
+    problem = _one_problem(_tiny(trainer={"val_check_interval": value}))
+    assert problem.startswith(f"trainer.val_check_interval: {value!r} is not valid")
+
+
+@pytest.mark.parametrize(("section", "key"), [("data", "seq_length"), ("model", "encoder_seq_length")])
+@pytest.mark.parametrize("value", [0, -8])
+def test_sequence_length_must_be_positive(section: str, key: str, value: int) -> None:
+    problem = _one_problem(_tiny(**{section: {key: value}}))
+    assert problem == f"{section}.{key}: must be >= 1 token, got {value}"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ('{"model_type": "llama",\n "hidden_size": 64,,}', r"is not valid JSON \(line 2, column 20"),
+    ('[1, 2]', "must hold a JSON object .* got a JSON list"),
+])
+def test_malformed_model_config_json_names_the_file(tmp_path: Path, text: str, expected: str) -> None:
+    bad = tmp_path / "config.json"
+    bad.write_text(text)
+    with pytest.raises(ConfigError, match=f"model.model_config: {bad} {expected}"):
+        load_config(_tiny(model={"model_config": str(bad)}))

@@ -240,14 +240,28 @@ def resolve_path(path: str) -> str:
 
 
 def read_model_json(cfg: NxdConfig) -> dict[str, Any] | None:
-    """The HF config.json named by ``model.model_config`` as a dict, or None when unset/missing."""
+    """The HF config.json named by ``model.model_config`` as a dict, or None when unset/missing.
+
+    Raises:
+        ConfigError: the file is not valid JSON (names the file, line and column) or not a JSON object.
+    """
     if not cfg.model.model_config:
         return None
     path = resolve_path(cfg.model.model_config)
+    if os.path.isdir(path):
+        path = os.path.join(path, "config.json")
     if not os.path.isfile(path):
         return None
-    with open(path) as f:
-        return json.load(f)
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConfigError([f"model.model_config: {path} is not valid JSON (line {e.lineno}, column {e.colno}: "
+                           f"{e.msg}); fix the file or point model.model_config at a valid HF config.json"]) from None
+    if not isinstance(raw, dict):
+        raise ConfigError([f"model.model_config: {path} must hold a JSON object (an HF config.json), got a JSON "
+                           f"{type(raw).__name__}"])
+    return raw
 
 
 def seq_length(cfg: NxdConfig) -> int | None:
@@ -310,6 +324,17 @@ def _parallel_problems(cfg: NxdConfig, world_size: int | None) -> list[str]:
     return p
 
 
+def _trainer_problems(cfg: NxdConfig) -> list[str]:
+    """``trainer.val_check_interval``: an int >= 1 (optimizer steps) or a float in (0, 1] (fraction of an epoch)."""
+    v = cfg.trainer.val_check_interval
+    ok = (isinstance(v, int) and not isinstance(v, bool) and v >= 1) or (isinstance(v, float) and 0.0 < v <= 1.0)
+    if v is not None and not ok:
+        return [f"trainer.val_check_interval: {v!r} is not valid; give an int >= 1 (validate every N optimizer "
+                f"steps) or a float in (0, 1] (a fraction of an epoch); to skip validation set "
+                f"trainer.limit_val_batches: 0"]
+    return []
+
+
 def _batch_problems(cfg: NxdConfig) -> list[str]:
     p: list[str] = []
     d = cfg.data
@@ -323,6 +348,10 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
     s = seq_length(cfg)
     if s is None:
         p.append("data.seq_length: not set and model.encoder_seq_length is not set either; set one of them")
+    elif s < 1 or (cfg.model.encoder_seq_length is not None and cfg.model.encoder_seq_length < 1):
+        key = "data.seq_length" if cfg.data.seq_length is not None and cfg.data.seq_length < 1 else \
+            "model.encoder_seq_length"
+        p.append(f"{key}: must be >= 1 token, got {s if key == 'data.seq_length' else cfg.model.encoder_seq_length}")
     else:
         if cfg.data.seq_length is not None and cfg.model.encoder_seq_length is not None \
                 and cfg.data.seq_length > cfg.model.encoder_seq_length:
@@ -665,9 +694,9 @@ def _pipeline_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
     hf = read_model_json(cfg)  # read once; both head and CP rules need it
-    return (_parallel_problems(cfg, world_size) + _batch_problems(cfg) + _head_problems(cfg, hf)
-            + _context_parallel_problems(cfg, hf) + _memory_problems(cfg) + _choice_problems(cfg)
-            + _pipeline_problems(cfg, hf)
+    return (_parallel_problems(cfg, world_size) + _trainer_problems(cfg) + _batch_problems(cfg)
+            + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
+            + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
             + _checkpoint_problems(cfg))
 
 
