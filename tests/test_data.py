@@ -400,3 +400,18 @@ def test_two_ranks_share_caches(tmp_path):
     torch.testing.assert_close(torch.cat([b0, b1]), next(iter(ref.train_dataloader()))["input_ids"])
     assert len(os.listdir(tmp_path / "cache" / "tokenizers")) == 1
     assert not [p for p in os.listdir(tmp_path / "cache" / "packed") if ".tmp-" in p]
+
+
+def test_source_fingerprint_follows_content_not_size_or_mtime(tmp_path) -> None:
+    root = tmp_path / "corpus"
+    root.mkdir()
+    (root / "a.txt").write_text("the quick brown fox")
+    (root / "b.txt").write_text("jumps over the lazy dog")
+    before = sources.resolve_source(str(root)).fingerprint()
+    st = os.stat(root / "a.txt")
+    (root / "a.txt").write_text("the quick brown cat")  # same size, edited in place
+    os.utime(root / "a.txt", ns=(st.st_atime_ns, st.st_mtime_ns))  # and the same mtime
+    edited = sources.resolve_source(str(root)).fingerprint()
+    assert edited != before  # the packed-data cache key changes: no training on stale tokens
+    (root / "a.txt").write_text("the quick brown fox")
+    assert sources.resolve_source(str(root)).fingerprint() == before
