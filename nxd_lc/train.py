@@ -230,12 +230,18 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
     # from here on the preemption signals only set a flag, acted on at a step boundary (nxd_lc.lightning.preemption)
     preemption = PreemptionCallback(list(cfg.exp_manager.preemption_signals))
     preemption.install()
+    recovery = None
+    if cfg.exp_manager.enable_recovery_time_instrumentation:
+        from nxd_lc.runtime.recovery_timing import RecoveryTimer
+
+        recovery = RecoveryTimer()
+        recovery.mark("startup_s")
     try:
         if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
             from nxd_lc.runtime.prewarm import run_prewarm
 
-            return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}, preemption))
-        return _fit(cfg, trainer_overrides or {}, preemption)
+            return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}, preemption, recovery))
+        return _fit(cfg, trainer_overrides or {}, preemption, recovery)
     finally:
         preemption.restore()
         from nxd_lc.lightning.exp_manager import release_run_dir
@@ -243,7 +249,14 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         release_run_dir()
 
 
-def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> pl.Trainer:
+def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, recovery: Any = None) -> pl.Trainer:
+    """Build everything and train. ``preemption``: the run's :class:`~nxd_lc.lightning.preemption.PreemptionCallback`
+    (handlers already installed); ``recovery``: a :class:`~nxd_lc.runtime.recovery_timing.RecoveryTimer` when
+    ``exp_manager.enable_recovery_time_instrumentation`` (phase marks are taken here)."""
+    def mark(phase: str) -> None:
+        if recovery is not None:
+            recovery.mark(phase)
+
     from nxd_lc.context import set_context_parallel_algo
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.lightning import exp_manager
@@ -262,6 +275,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> 
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
                                  context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
     set_context_parallel_algo(ds.context_parallel_algo)
+    mark("distributed_init_s")
     set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)
     paths = exp_manager.experiment_paths(cfg)
     exp_manager.lock_run_dir(paths, is_global_zero=runtime.rank == 0)  # before anything is written there
@@ -272,8 +286,10 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> 
         log.info("log dir: %s", paths.log_dir)
     pl.seed_everything(cfg.seed, workers=True)
     hf_config, model = _build_and_move(cfg, runtime)
+    mark("model_build_s")
     data = _data_module(cfg, hf_config.vocab_size)
     module = _lightning_module(cfg, model, data)
+    mark("data_setup_s")
     exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
     ckpt_path, weights_path = exp_manager.resume_plan(cfg, paths)
     if weights_path:
@@ -282,7 +298,10 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any) -> 
         log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
     if hasattr(module, "prepare_reference"):  # DPO: reference log-probs of the initial policy, before any resume
         module.prepare_reference(data)
-    trainer = build_trainer(cfg, runtime, paths, preemption, **trainer_overrides)
+    if recovery is not None:
+        recovery.resumed_from = ckpt_path
+    trainer = build_trainer(cfg, runtime, paths, preemption, extra_callbacks=[recovery] if recovery else [],
+                            **trainer_overrides)
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
     if peft_config(cfg) is not None and not cfg.prewarm:

@@ -94,10 +94,10 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     (ref,) = _losses(ref_dir)
     assert sorted(ref) == list(range(1, MAX_STEPS + 1))
 
-    def launch(fault: str, resumed_from: int | None, expect_ok: bool,
-               asynchronous: bool = False) -> tuple[subprocess.CompletedProcess, float]:
+    def launch(fault: str, resumed_from: int | None, expect_ok: bool, asynchronous: bool = False,
+               extra: tuple[str, ...] = ()) -> tuple[subprocess.CompletedProcess, float]:
         out, seconds = _launch(run, corpus, cache, fault,
-                               extra=("exp_manager.async_checkpointing=true",) if asynchronous else ())
+                               extra=extra + (("exp_manager.async_checkpointing=true",) if asynchronous else ()))
         text = out.stdout + out.stderr
         assert (out.returncode == 0) == expect_ok or "got signal: 15" in text, text[-3000:]
         assert _resumed_step(out) == resumed_from, text[-3000:]
@@ -130,8 +130,17 @@ def test_faults_then_restart_match_an_uninterrupted_run(tmp_path: Any) -> None:
     _flip_byte(_tensor_file(os.path.join(run, "checkpoints", tags[2])))
     uc = os.path.join(run, "checkpoints", tags[1], "user_content.pt")
     os.truncate(uc, os.path.getsize(uc) // 2)
-    out, _ = launch("", 5, expect_ok=True)
+    out, _ = launch("", 5, expect_ok=True, extra=("+exp_manager.enable_recovery_time_instrumentation=true",))
     text = out.stdout + out.stderr
+    # recovery-time instrumentation: every phase reported once, non-negative, adding up to the total
+    total = float(re.search(r"recovery time \(resume from \S*step=5\S*\): ([\d.]+) s from process start to the "
+                            r"end of step 6", text).group(1))  # type: ignore[union-attr]
+    phases = {m.group(1): float(m.group(2))
+              for m in re.finditer(r"recovery_timing\]\s+(\w+_s)\s+([\d.]+) s$", text, re.M)}
+    assert list(phases) == ["startup_s", "distributed_init_s", "model_build_s", "data_setup_s", "restore_s",
+                            "first_step_s"]
+    assert all(v >= 0 for v in phases.values()) and abs(sum(phases.values()) - total) < 0.05
+    assert phases["startup_s"] > 0.5 and phases["first_step_s"] > 0  # imports alone take seconds
     assert re.search(r"skipping checkpoint \S*step=7\S*: checkpoint file \S*tensor_\d+\.pt' is corrupt", text)
     assert re.search(r"skipping checkpoint \S*step=6\S*: checkpoint file \S*user_content\.pt' has \d+ bytes", text)
 

@@ -70,7 +70,7 @@ class ExpManagerConfig:
     checkpoint_callback_params: CheckpointCallbackParams = field(default_factory=CheckpointCallbackParams)
     log_parameter_norm: bool = False  # log the global parameter 2-norm
     log_gradient_norm: bool = False  # log the global gradient 2-norm (before clipping)
-    enable_recovery_time_instrumentation: bool = False  # NxDT key; not supported yet when true
+    enable_recovery_time_instrumentation: bool = False  # log process start -> first step, by phase (NxDT key)
     save_xser: bool = True  # write model/optim shards in xser format (one file per tensor)
     load_xser: bool = True  # read xser shards (auto-detected per checkpoint when false/true mismatch)
     save_bf16: bool = False  # cast floating model weights to bf16 in the saved checkpoint

@@ -727,13 +727,11 @@ def path_problems(cfg: NxdConfig) -> list[str]:
 
 def unsupported_features(cfg: NxdConfig) -> list[str]:
     """Keys set to values whose feature lands in a later issue: ``not supported yet: <key>=<value>``."""
-    m, em = cfg.model, cfg.exp_manager
+    m = cfg.model
     checks: list[tuple[bool, str, Any]] = [
         (cfg.model_source != "hf", "model_source", cfg.model_source),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
-        (em.enable_recovery_time_instrumentation, "exp_manager.enable_recovery_time_instrumentation",
-         em.enable_recovery_time_instrumentation),
     ]
     return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad] + _auto_ring_on_xla(cfg)
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Optional
 
 import pytorch_lightning as pl
@@ -48,7 +49,8 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
 
 
 def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
-                  preemption: Optional[PreemptionCallback] = None, **overrides: Any) -> pl.Trainer:
+                  preemption: Optional[PreemptionCallback] = None, extra_callbacks: Sequence[pl.Callback] = (),
+                  **overrides: Any) -> pl.Trainer:
     """A ``pl.Trainer`` honouring ``trainer.*`` and ``exp_manager.*``.
 
     Gradient accumulation comes from ``global_batch_size``; Lightning's distributed sampler is off (the data
@@ -63,6 +65,7 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
         paths: run directories from :func:`experiment_paths`.
         preemption: the run's :class:`PreemptionCallback` when it was created (and its handlers installed)
             before the Trainer; a new one otherwise. Its ``save`` is set to the checkpoint callback's.
+        extra_callbacks: more callbacks (e.g. the recovery-time instrumentation).
         **overrides: extra ``pl.Trainer`` keyword arguments (tests).
     """
     t = cfg.trainer
@@ -75,6 +78,7 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
     preemption = preemption or PreemptionCallback(list(cfg.exp_manager.preemption_signals))
     preemption.save = checkpoint_callback_saver(ckpt) if ckpt is not None else None
     callbacks.append(preemption)
+    callbacks.extend(extra_callbacks)
     loggers = build_loggers(cfg, paths)
     accumulation = gradient_accumulation_steps(cfg)
     # NxDT counts an int val_check_interval in optimizer steps; Lightning counts training batches (micro-batches)
