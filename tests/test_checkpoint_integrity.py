@@ -160,6 +160,7 @@ def _fallback_worker(rank: int, world_size: int, root: str) -> None:
 
     ps.initialize_model_parallel(tensor_model_parallel_size=2)
     cfg = _cfg(explicit_log_dir=os.path.dirname(root))
+    cfg.distributed_strategy.tensor_model_parallel_size = 2
     assert exp_manager.resume_plan(cfg, exp_manager.experiment_paths(cfg)) == (os.path.join(root, "step=2"), None)
     ps.destroy_model_parallel()
 
@@ -168,3 +169,21 @@ def _fallback_worker(rank: int, world_size: int, root: str) -> None:
 def test_fallback_is_agreed_by_all_ranks(tmp_path: Any) -> None:
     root = str(tmp_path / "run" / "checkpoints")
     run_distributed(_fallback_worker, 2, root)
+
+
+def _two_tp_shards(root: str) -> None:
+    """A checkpoint whose model/ holds the shards of two TP ranks (rank 1's added beside rank 0's save)."""
+    _save(root, "step=2", 2, use_xser=False)
+    torch.save(_states(21)[0], os.path.join(root, "step=2", "model", "dp_rank_00_tp_rank_01_pp_rank_00.pt"))
+
+
+def test_checkpoint_of_another_tp_size_is_a_clear_error(tmp_path: Any) -> None:
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "run"))  # TP 1
+    paths = exp_manager.experiment_paths(cfg)
+    _two_tp_shards(paths.checkpoint_dir)
+    with pytest.raises(ConfigError, match=r"exp_manager.resume_if_exists: checkpoint \S+step=2 was saved with "
+                                          r"tensor_model_parallel_size 2 and pipeline_model_parallel_size 1, this run "
+                                          r"has 1 and 1\. .*tensor_model_parallel_size=2 .*--nproc_per_node=2"):
+        exp_manager.resume_plan(cfg, paths)
+    cfg.distributed_strategy.tensor_model_parallel_size = 2
+    assert exp_manager.resume_plan(cfg, paths)[0] == os.path.join(paths.checkpoint_dir, "step=2")

@@ -539,9 +539,9 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
 
     With a manifest: every listed file exists with its size (the whole checkpoint), and this rank's files
     (:func:`rank_files`, each with its xser tensor files) match their SHA-256. When this rank's model shard is
-    not in the checkpoint (saved at another TP/PP layout: the loader re-shards from all shards), every model and
-    optimizer file is hashed. Without a manifest (written before checksums, or by NxD): one warning, and the
-    files this rank reads must exist (their contents cannot be checked).
+    not in the checkpoint (saved at another TP/PP layout, which is not an integrity problem: the resume plan
+    reports it), every model and optimizer file is hashed. Without a manifest (written before checksums, or by
+    NxD): one warning, and the files this rank reads must exist (their contents cannot be checked).
 
     Returns:
         True when the checkpoint has a manifest and passed; False when it has none (unverifiable but present).
@@ -560,7 +560,7 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
                 raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
         return False
     integrity.check_present(tag_dir, manifest)
-    if rels[0] not in manifest:  # other layout: the re-sharding loader reads every shard
+    if rels[0] not in manifest:  # saved at another TP / PP layout (the caller reports that): verify every shard
         rels = sorted({r.split(".tensors/")[0] for r in manifest if r.startswith((MODEL_DIR + "/", OPTIM_DIR + "/"))}
                       | {r for r in rels[1:] if r in manifest})
     for rel in rels:

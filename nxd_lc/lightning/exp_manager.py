@@ -186,6 +186,24 @@ def _own_latest(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
     return None
 
 
+def _layout_problem(cfg: NxdConfig, tag_dir: str, key: str) -> Optional[str]:
+    """A message when ``tag_dir`` was saved at another TP / PP size than this run's (None when they match)."""
+    from nxd_lc.checkpoint.convert import checkpoint_parallel_sizes
+
+    tp, pp = checkpoint_parallel_sizes(tag_dir)
+    ds = cfg.distributed_strategy
+    if (tp, pp) == (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size):
+        return None
+    return (f"{key}: checkpoint {tag_dir} was saved with tensor_model_parallel_size {tp} and "
+            f"pipeline_model_parallel_size {pp}, this run has {ds.tensor_model_parallel_size} and "
+            f"{ds.pipeline_model_parallel_size}. Loading a checkpoint re-sharded to another TP / PP layout is not "
+            f"supported (its weights and optimizer state are split by TP rank and stage). Resume with "
+            f"distributed_strategy.tensor_model_parallel_size={tp} distributed_strategy.pipeline_model_parallel_size="
+            f"{pp}; or convert it to Hugging Face format at its own layout (torchrun --nproc_per_node={tp} -m "
+            f"nxd_lc.checkpoint.convert --config-name <this config> --checkpoint {tag_dir} --output <dir>) and start "
+            f"the new layout from model.hf_weights_dir: <dir> (weights only, a fresh optimizer)")
+
+
 def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optional[str]]:
     """What to restore: ``(trainer checkpoint, weights-only checkpoint)``, at most one of them set.
 
@@ -201,14 +219,23 @@ def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optiona
 
     Raises:
         ConfigError: an explicit checkpoint is incomplete or fails verification; checkpoints exist but none
-            verifies; or none exists and ``resume_ignore_no_checkpoint`` is false.
+            verifies; the chosen checkpoint was saved at another TP / PP size (names both and the ways on); or
+            none exists and ``resume_ignore_no_checkpoint`` is false.
     """
     em = cfg.exp_manager
     explicit, own = _explicit_checkpoint(cfg), _own_latest(cfg, paths)
+    plan: tuple[Optional[str], Optional[str]] = (None, None)
     if cfg.model.weight_init_only:
-        return (own, None) if own else (None, explicit)
-    if explicit or own:
-        return explicit or own, None
+        plan = (own, None) if own else (None, explicit)
+    elif explicit or own:
+        plan = (explicit or own, None)
+    chosen = plan[0] or plan[1]
+    if chosen:
+        problem = _layout_problem(cfg, chosen, "exp_manager.resume_from_checkpoint" if chosen == explicit
+                                  else "exp_manager.resume_if_exists")
+        if problem:
+            raise ConfigError([problem])
+        return plan
     if em.resume_if_exists and not em.resume_ignore_no_checkpoint:
         raise ConfigError([f"exp_manager.resume_if_exists: no complete checkpoint under {paths.checkpoint_dir};"
                            f" set resume_ignore_no_checkpoint: true to start fresh"])
