@@ -331,3 +331,58 @@ def test_tp1_yarn_checkpoint_converts_in_process(tmp_path: Path) -> None:
     assert rope["rope_type"] == "yarn" and rope["factor"] == 2.0
     torch.testing.assert_close(_hf_logits(tmp_path / "hf"), ours, atol=2e-5, rtol=1e-5)
     assert not ps.model_parallel_is_initialized()
+
+
+# ------------------------------------------------------------------ NxD converter vocabulary: full state <-> NxD
+
+
+def _round_trip_worker(rank: int, world: int, tmp: str, xser: bool) -> None:
+    t = Path(tmp)
+    conf = ["--config-name", "tiny", "--config-dir", str(t / "conf")]
+    assert convert.main(conf + ["--convert_from_full_state", "true", "--input_dir", str(t / "hf"), "--output_dir",
+                                str(t / "ck"), "--tp_size", "2", "--pp_size", "2", "--save_xser", str(xser).lower(),
+                                "--kv_size_multiplier", "1", "--fuse_qkv", "true", "--qkv_linear", "true"]) == 0
+    collectives.barrier()
+    assert convert.main(conf + ["--convert_to_full_state", "--input_dir", str(t / "ck" / "step=0"), "--output_dir",
+                                str(t / "hf2"), "--tp_size", "2", "--pp_size", "2", "--save_tokenizer", "false",
+                                "--load_xser", str(xser).lower(), "++trainer.devices=4",
+                                "++exp_manager.checkpoint_callback_params.model_parallel_size=4"]) == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("xser", [False, True])
+def test_full_state_to_tp2_pp2_checkpoint_and_back_is_bit_exact(tmp_path: Path, xser: bool) -> None:
+    from safetensors.torch import load_file
+
+    _prepare(tmp_path, tp=2)
+    torch.manual_seed(11)
+    HFLlama(LlamaConfig(**_model_json())).save_pretrained(str(tmp_path / "hf"))
+    run_distributed(_round_trip_worker, 2, str(tmp_path), xser)
+    ck = tmp_path / "ck" / "step=0"
+    names = sorted(n for n in os.listdir(ck / "model") if n.endswith(".pt"))
+    assert names == [sharded.checkpoint_file_name(0, t, p) for t in (0, 1) for p in (0, 1)]
+    assert any(n.endswith(".tensors") for n in os.listdir(ck / "model")) == xser  # --save_xser is obeyed
+    stage0 = sharded.load_checkpoint(str(tmp_path / "ck"), "step=0", dp_rank=0, tp_rank=0, pp_rank=0,
+                                     load_optim=False)[0]
+    stage1 = sharded.load_checkpoint(str(tmp_path / "ck"), "step=0", dp_rank=0, tp_rank=0, pp_rank=1,
+                                     load_optim=False)[0]
+    assert any(k.startswith("model.layers.0.") for k in stage0) and not any(k.startswith("model.layers.1.")
+                                                                             for k in stage0)
+    assert "model.embed_tokens.weight" in stage0 and "model.lm_head.weight" in stage1
+    original, back = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(
+        str(tmp_path / "hf2" / "model.safetensors"))
+    assert sorted(back) == sorted(original)
+    for k, v in original.items():
+        assert torch.equal(back[k], v), k  # bit for bit
+
+
+def test_converter_direction_and_tp_size_flags_are_checked(capsys: pytest.CaptureFixture) -> None:
+    base = ["--config-name", "x", "--input_dir", "a", "--output_dir", "b"]
+    for extra, message in ((["--convert_from_full_state", "--convert_to_full_state"], "choose one direction"),
+                           (["--convert_to_full_state", "false"], "needs --convert_from_full_state true"),
+                           (["--tp_size", "4"], "--tp_size 4: launch one process per TP rank")):
+        with pytest.raises(SystemExit) as e:
+            convert.main(base + extra)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    args = convert.build_arg_parser().parse_args(base + ["--save_xser", "False", "--fuse_qkv", "no"])
+    assert args.save_xser is False and args.fuse_qkv is False  # not NxDT's type=bool (where "False" is True)

@@ -17,6 +17,14 @@ staging directory and renames it into place. ``transformers.LlamaForCausalLM.fro
 and ``model.hf_weights_dir: <output>`` starts another nxd_lc run from it, at any TP/CP size (the reverse
 direction, see :func:`~nxd_lc.models.llama.hf_adapter.load_hf_weights`).
 
+The other direction, NxD's ``--convert_from_full_state``: ``--input_dir <HF dir> --output_dir <root>`` under
+``torchrun --nproc_per_node=<TP>`` writes ``<root>/step=0`` (:func:`convert_hf_to_checkpoint`). NxD's
+``checkpoint_converter`` flags are accepted with their meaning: ``--input_dir`` / ``--output_dir`` (aliases of
+``--checkpoint`` / ``--output``), ``--convert_to_full_state`` / ``--convert_from_full_state``, ``--tp_size`` (must
+equal the processes launched), ``--pp_size`` (checked against the checkpoint read; the stages written),
+``--load_xser`` / ``--save_xser``, ``--kv_size_multiplier`` (``distributed_strategy.kv_replicator``),
+``--qkv_linear`` and ``--fuse_qkv`` (``model.*``; they set the run config's keys).
+
 ``--checkpoint`` is a checkpoint directory ``<root>/<tag>`` or a checkpoint root (the newest complete tag of it
 is used). Boolean options take an explicit value (``--overwrite true``, ``--save-tokenizer false``) or none
 (``--overwrite`` alone means true): NxDT's converter declares booleans with ``type=bool``, so ``--flag False``
@@ -82,8 +90,26 @@ def build_arg_parser() -> argparse.ArgumentParser:
                                 description="Convert an nxd_lc NxD-layout checkpoint into an HF model directory.")
     p.add_argument("--config-name", required=True, help="run config name in --config-dir (e.g. cpu_tiny_llama_config)")
     p.add_argument("--config-dir", default="conf", help="Hydra config directory (default: ./conf)")
-    p.add_argument("--checkpoint", required=True, help="checkpoint dir <root>/<tag>, or a root (newest tag)")
-    p.add_argument("--output", required=True, help="HF output directory")
+    p.add_argument("--checkpoint", "--input_dir", dest="checkpoint", required=True,
+                   help="checkpoint dir <root>/<tag>, or a root (newest tag); with --convert_from_full_state the HF "
+                        "model directory")
+    p.add_argument("--output", "--output_dir", dest="output", required=True,
+                   help="HF output directory; with --convert_from_full_state the checkpoint root (<output>/<tag>)")
+    p.add_argument("--convert_to_full_state", "--convert-to-full-state", type=parse_bool, nargs="?", const=True,
+                   default=None, help="NxD checkpoint -> full (HF) state: the default direction")
+    p.add_argument("--convert_from_full_state", "--convert-from-full-state", type=parse_bool, nargs="?", const=True,
+                   default=False, help="full (HF) state -> NxD checkpoint at --tp_size (= processes) / --pp_size")
+    p.add_argument("--tp_size", "--tp-size", type=int, default=None,
+                   help="TP size: of the checkpoint read, or of the one written; must equal the processes launched")
+    p.add_argument("--pp_size", "--pp-size", type=int, default=None,
+                   help="PP size: of the checkpoint read (checked), or the stages to write (default 1)")
+    p.add_argument("--kv_size_multiplier", "--kv-size-multiplier", type=int, default=None,
+                   help="distributed_strategy.kv_replicator of the model (NxD's name)")
+    p.add_argument("--qkv_linear", "--qkv-linear", type=parse_bool, default=None, help="model.qkv_linear")
+    p.add_argument("--fuse_qkv", "--fuse-qkv", type=parse_bool, default=None, help="model.fuse_qkv")
+    p.add_argument("--save-xser", "--save_xser", dest="save_xser", type=parse_bool, nargs="?", const=True,
+                   default=True, help="--convert_from_full_state: write xser shards (true) or torch.save (false)")
+    p.add_argument("--tag", default="step=0", help="--convert_from_full_state: the checkpoint tag (default step=0)")
     p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
                    help="dtype of the saved tensors (default: the model parameters' dtype)")
     p.add_argument("--overwrite", type=parse_bool, nargs="?", const=True, default=False,
@@ -376,6 +402,79 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
     return output
 
 
+def stage_state(state: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
+    """The entries of a whole-model LightningModule state dict (``model.<name>``) that pipeline rank ``part``
+    holds (``part``: :func:`nxd_lc.pipeline.rank_model_part`): its ``layers.<i>``, the embedding on the first
+    stage, the final norm and lm head on the last; other entries (buffers) go to every stage."""
+    keep = {f"{MODEL_PREFIX}layers.{i}." for i in part["keep_layers"]}
+    out = {}
+    for k, v in state.items():
+        if k.startswith(f"{MODEL_PREFIX}layers."):
+            take = any(k.startswith(prefix) for prefix in keep)
+        elif k.startswith(f"{MODEL_PREFIX}embed_tokens."):
+            take = bool(part["keep_embedding"])
+        elif k.startswith((f"{MODEL_PREFIX}norm.", f"{MODEL_PREFIX}lm_head.")):
+            take = bool(part["keep_head"])
+        else:
+            take = True
+        if take:
+            out[k] = v
+    return out
+
+
+def convert_hf_to_checkpoint(cfg: NxdConfig, hf_dir: str, output: str, *, tag: str = "step=0",
+                             pp_size: int = 1, use_xser: bool = True) -> str:
+    """Write the HF model ``hf_dir`` as an NxD-layout checkpoint ``<output>/<tag>`` at this launch's TP size and
+    ``pp_size`` stages (NxD's ``--convert_from_full_state``); collective, one process per TP rank.
+
+    Every TP rank builds the whole model of ``cfg`` with ``model.hf_weights_dir: hf_dir`` (the training loader:
+    fused QKV, ``kv_replicator`` and ``qkv_linear`` as configured), splits it into the stages a run with
+    ``pipeline_model_parallel_size: pp_size`` (and ``model.pipeline_cuts``) builds, and writes one model shard per
+    (TP rank, stage), with the manifest and ``done`` of a training checkpoint. It holds weights only (no optimizer
+    state or trainer loops): start a run from it with ``exp_manager.resume_from_checkpoint: <output>/<tag>`` and
+    ``model.weight_init_only: true``, as NxDT does with converted checkpoints.
+
+    Returns:
+        The checkpoint directory ``<output>/<tag>``.
+
+    Raises:
+        ValueError: ``pp_size`` < 1 or more stages than layers (see :func:`nxd_lc.pipeline.rank_model_part`).
+        FileNotFoundError: ``hf_dir`` has no weights.
+    """
+    from nxd_lc.distributed import collectives
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.pipeline import rank_model_part
+
+    if pp_size < 1:
+        raise ValueError(f"--pp_size must be >= 1, got {pp_size}")
+    tp = collectives.get_global_world_size()
+    own_state = not ps.model_parallel_is_initialized()
+    if own_state:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
+    try:
+        model = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=hf_dir)),
+                            load_weights=True)
+        state = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+        layers = model.config.num_hidden_layers
+        parts = [stage_state(state, rank_model_part(layers, pp_size, r, 1, cfg.model.pipeline_cuts))
+                 for r in range(pp_size)]
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        rank0 = collectives.get_global_rank() == 0
+        staged = sharded.stage_checkpoint(os.path.abspath(output), tag, model_state=parts[0], optim_state=None,
+                                          user_content={"global_step": 0, "converted_from": os.path.abspath(hf_dir)},
+                                          dp_rank=0, tp_rank=tp_rank, pp_rank=0, is_global_zero=rank0,
+                                          write_model=True, write_optim=False, use_xser=use_xser, step=0)
+        for pp_rank in range(1, pp_size):  # the other stages' shards of this TP rank
+            staged.files.append((f"{sharded.MODEL_DIR}/{sharded.checkpoint_file_name(0, tp_rank, pp_rank)}",
+                                 parts[pp_rank], use_xser))
+        staged.write()
+        return staged.publish()
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+
+
 def _write_provenance(directory: str, tag_dir: str, tp: int, cfg: NxdConfig) -> None:
     done: Any = None
     try:
@@ -400,11 +499,36 @@ def main(argv: Sequence[str] | None = None) -> int:
     bad = [o for o in args.overrides if "=" not in o]
     if bad:
         parser.error(f"overrides must be key=value, got {bad}")
+    if args.convert_from_full_state and args.convert_to_full_state:
+        parser.error("--convert_to_full_state and --convert_from_full_state: choose one direction")
+    if args.convert_to_full_state is False and not args.convert_from_full_state:
+        parser.error("--convert_to_full_state false needs --convert_from_full_state true (there are two directions)")
+    world = launched_world_size()
+    if args.tp_size is not None and args.tp_size != world:
+        parser.error(f"--tp_size {args.tp_size}: launch one process per TP rank (torchrun --nproc_per_node="
+                     f"{args.tp_size}); {world} launched")
+    # "++": set the key whether or not the run's YAML has it
+    model_overrides = [f"++distributed_strategy.tensor_model_parallel_size={world}"] if args.tp_size else []
+    for flag, key in (("kv_size_multiplier", "distributed_strategy.kv_replicator"),
+                      ("qkv_linear", "model.qkv_linear"), ("fuse_qkv", "model.fuse_qkv")):
+        if getattr(args, flag) is not None:
+            model_overrides.append(f"++{key}={str(getattr(args, flag)).lower()}")
+    if args.pp_size is not None and not args.convert_from_full_state:
+        model_overrides.append(f"++distributed_strategy.pipeline_model_parallel_size={args.pp_size}")
+    args.overrides = model_overrides + list(args.overrides)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
     created_group = False
     try:
         cfg = compose_run_config(args.config_name, args.config_dir, args.overrides)
+        if args.convert_from_full_state:
+            created_group = not dist.is_initialized()
+            init_distributed("cpu")
+            out = convert_hf_to_checkpoint(cfg, args.checkpoint, args.output, tag=args.tag, pp_size=args.pp_size or 1,
+                                           use_xser=args.save_xser)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"wrote checkpoint {out} (TP {world}, PP {args.pp_size or 1}) from HF model {args.checkpoint}")
+            return 0
         root, tag = resolve_checkpoint(args.checkpoint)  # cheap checks before any process group exists
         check_layout(cfg, os.path.join(root, tag), launched_world_size())
         _check_output(os.path.abspath(args.output), args.overwrite)
