@@ -53,10 +53,10 @@ demo: install
 test: $(TEST_LANES)
 
 test-fast: install-dev
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=20 tests
 
 test-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs -m "not lane1_only" tests
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 -m "not lane1_only" tests
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py

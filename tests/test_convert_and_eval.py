@@ -349,6 +349,7 @@ def _round_trip_worker(rank: int, world: int, tmp: str, xser: bool) -> None:
                                 "++exp_manager.checkpoint_callback_params.model_parallel_size=4"]) == 0
 
 
+@pytest.mark.lane1_only  # end-to-end; the torch-2.9 lane covers its parts in unit-level tests
 @pytest.mark.slow
 @pytest.mark.parametrize("xser", [False, True])
 def test_full_state_to_tp2_pp2_checkpoint_and_back_is_bit_exact(tmp_path: Path, xser: bool) -> None:

@@ -78,6 +78,7 @@ def _train_cmd(log_dir: str, corpus: str, cache: str, max_steps: int) -> list[st
             "model.encoder_seq_length=256", "model.optim.sched.warmup_steps=1"]
 
 
+@pytest.mark.lane1_only  # end-to-end; the torch-2.9 lane covers its parts in unit-level tests
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
@@ -125,6 +126,7 @@ def test_torchrun_context_parallel_with_memory_techniques(tmp_path) -> None:
                                                              "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors"]
 
 
+@pytest.mark.lane1_only  # end-to-end; the torch-2.9 lane covers its parts in unit-level tests
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_zero1_mixed_precision_sr_checkpoint_resume(tmp_path) -> None:

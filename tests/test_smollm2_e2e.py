@@ -60,6 +60,7 @@ def _run(config: str, model: Path, data: Path, log_dir: Path, weights: Path, ext
     return text
 
 
+@pytest.mark.lane1_only  # end-to-end; the torch-2.9 lane covers its parts in unit-level tests
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_smollm2_sft_then_dpo_with_lora(tmp_path: Path) -> None:
