@@ -105,7 +105,7 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
                              flash_attention=m.fusions.flash_attention,
                              use_cpu_initialization=m.use_cpu_initialization, **_pipeline_part(cfg, hf_config))
     if m.hf_weights_dir:
-        load_hf_weights(model, resolve_path(m.hf_weights_dir))
+        _load_hf_weights(cfg, model, resolve_path(m.hf_weights_dir), load_hf_weights)
     checkpointed = apply_memory_techniques(model, m)
     if checkpointed:
         log.info("activation checkpointing (%s): %d modules recomputed in backward",
@@ -114,6 +114,25 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)
     return hf_config, model
+
+
+def _load_hf_weights(cfg: NxdConfig, model: Any, hf_dir: str, convert: Any) -> None:
+    """``model.hf_weights_dir`` into ``model``: through the conversion cache (:mod:`nxd_lc.models.llama.hf_cache`)
+    when ``model.hf_conversion_cache``, else converted directly."""
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.lightning.exp_manager import experiment_paths
+    from nxd_lc.models.llama import hf_cache
+
+    m = cfg.model
+    if not m.hf_conversion_cache:
+        convert(model, hf_dir)
+        return
+    cache_dir = resolve_path(m.hf_conversion_cache_dir) if m.hf_conversion_cache_dir else os.path.join(
+        experiment_paths(cfg).log_dir, "hf_converted")
+    key = hf_cache.cache_key(cfg, hf_dir, ps.get_tensor_model_parallel_world_size(),
+                             ps.get_pipeline_model_parallel_world_size())
+    hf_cache.load_or_convert(model, hf_dir, cache_dir, key, ps.get_tensor_model_parallel_rank(),
+                             ps.get_pipeline_model_parallel_rank(), force=m.force_reconvert_from_hf, convert=convert)
 
 
 def _pipeline_part(cfg: NxdConfig, hf_config: Any) -> dict[str, Any]:

@@ -195,6 +195,9 @@ class ModelConfig:
 
     model_config: Optional[str] = None  # path to an HF config.json (Llama family)
     hf_weights_dir: Optional[str] = None  # HF safetensors dir loaded before training, each rank reading its TP shard
+    hf_conversion_cache: bool = False  # cache hf_weights_dir converted to this layout; later starts load the cache
+    hf_conversion_cache_dir: Optional[str] = None  # where (default <log_dir>/hf_converted)
+    force_reconvert_from_hf: bool = False  # convert hf_weights_dir again and overwrite the cache entry
     encoder_seq_length: Optional[int] = None  # the model's sequence length (<= max positions; judges RoPE scaling)
     max_position_embeddings: Optional[int] = None  # overrides config.json max_position_embeddings
     num_layers: Optional[int] = None  # overrides config.json num_hidden_layers
