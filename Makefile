@@ -18,7 +18,7 @@ XLA_DEPS := pyproject.toml constraints-xla.txt
 # The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
 TEST_LANES ?= test-fast test-xla
 
-.PHONY: demo test test-fast test-xla install install-dev install-xla lint clean-runs
+.PHONY: demo test test-fast test-xla test-slurm install install-dev install-xla lint clean-runs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -54,6 +54,10 @@ test: $(TEST_LANES)
 
 test-fast: install-dev
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=20 tests
+
+# not part of `make test`: installs Debian's slurm-wlm + munge (root) and starts a local single-node cluster
+test-slurm: install-dev
+	examples/slurm/requeue_test.sh
 
 test-xla: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 -m "not lane1_only" tests
