@@ -106,7 +106,9 @@ def _pipeline_worker(rank: int, world: int, ckpt: str, tp: int, virtual: int, re
         torch.testing.assert_close(g, ref["grads"][name], atol=ATOL, rtol=0, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+# tied embeddings (the embedding group's all-reduce) are version-independent: the torch-2.9 lane runs "untied" only
+@pytest.fixture(scope="module", params=[False, pytest.param(True, marks=pytest.mark.lane1_only)],
+                ids=["untied", "tied"])
 def hf_ckpt(request, tmp_path_factory) -> tuple[str, dict]:
     torch.manual_seed(0)
     hf = HFLlama._from_config(_hf_config(request.param), attn_implementation="eager").float()
