@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -34,7 +35,7 @@ def test_paths_explicit_and_exp_dir(tmp_path) -> None:
     assert p.log_dir == str(tmp_path / "run")
 
 
-def test_resume_plan_picks_newest_complete_and_ignores_partial(tmp_path) -> None:
+def test_resume_plan_picks_newest_complete_and_ignores_partial(tmp_path, caplog) -> None:
     cfg = _cfg(explicit_log_dir=str(tmp_path))
     paths = exp_manager.experiment_paths(cfg)
     assert exp_manager.resume_plan(cfg, paths) == (None, None)
@@ -42,8 +43,12 @@ def test_resume_plan_picks_newest_complete_and_ignores_partial(tmp_path) -> None
     newest = _save(paths.checkpoint_dir, "step=4", 4)
     os.makedirs(os.path.join(paths.checkpoint_dir, ".step=6.partial", "model"))  # an interrupted save
     assert exp_manager.resume_plan(cfg, paths) == (newest, None)
-    exp_manager.cleanup_interrupted_saves(paths, is_global_zero=True)
-    assert sorted(os.listdir(paths.checkpoint_dir)) == ["newest", "step=2", "step=4"]
+    os.makedirs(os.path.join(paths.checkpoint_dir, "step=5", "model"))  # visible, no done: not nxd_lc's
+    with caplog.at_level(logging.WARNING, logger="nxd_lc.lightning.exp_manager"):
+        exp_manager.cleanup_interrupted_saves(paths, is_global_zero=True)
+    assert sorted(os.listdir(paths.checkpoint_dir)) == ["newest", "step=2", "step=4", "step=5"]  # kept
+    assert "step=5 has no 'done' marker: it is not a complete checkpoint and is ignored" in caplog.text
+    assert exp_manager.resume_plan(cfg, paths) == (newest, None)
 
 
 def test_resume_plan_errors_and_explicit(tmp_path) -> None:

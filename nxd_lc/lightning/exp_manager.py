@@ -112,11 +112,20 @@ def release_run_dir() -> None:
 
 
 def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
-    """Before training: rank 0 removes staging directories left by a crashed save (a staging directory that
-    was fully written and marked ``done`` is published instead); all ranks wait for it."""
+    """Before training, with the run-directory lock held (no other job can be writing here): rank 0 removes
+    staging and trash directories left by a crashed save or removal (a staging directory that was fully written
+    and marked ``done`` is published instead) and warns about visible checkpoint directories without ``done``:
+    nxd_lc never leaves one (it publishes by renaming a complete staging directory), so they come from elsewhere
+    (e.g. an NxD release that wrote no marker) and are ignored, not deleted. All ranks wait for it."""
     if is_global_zero and os.path.isdir(paths.checkpoint_dir):
         for name in sharded.cleanup_partial(paths.checkpoint_dir):
             log.warning("removed the leftover of an interrupted checkpoint save: %s", name)
+        for name in sorted(os.listdir(paths.checkpoint_dir)):
+            path = os.path.join(paths.checkpoint_dir, name)
+            if not name.startswith(".") and os.path.isdir(path) and not sharded.is_complete(path):
+                log.warning("%s has no '%s' marker: it is not a complete checkpoint and is ignored (delete it, or "
+                            "create the empty file %s if it is a complete checkpoint written by NxD)", path,
+                            sharded.DONE_FILE, os.path.join(path, sharded.DONE_FILE))
     collectives.barrier()
 
 
