@@ -74,3 +74,29 @@ def test_release_never_deletes_another_owners_lock(tmp_path: Any) -> None:
     (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 1, "host": "some-other-node"}))  # taken over meanwhile
     lock.release()
     assert (tmp_path / LOCK_FILE).exists()
+
+
+def test_same_job_on_this_host_is_decided_by_the_pid(tmp_path: Any, monkeypatch: Any) -> None:
+    """Within one SLURM job (or torchrun run) a live owner on this host is a concurrent step: refused; on another
+    host the same torchrun run id means torchrun restarted its workers (the old ones are stopped): taken over."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "77")
+        monkeypatch.setenv("TORCHELASTIC_RUN_ID", "run-a")
+        (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": sleeper.pid, "host": socket.gethostname(),
+                                                      "slurm_job_id": "77", "torchelastic_run_id": "run-a"}))
+        with pytest.raises(ConfigError, match=f"in use by pid {sleeper.pid} on host {socket.gethostname()}"):
+            RunLock(str(tmp_path)).acquire()
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    monkeypatch.delenv("SLURM_JOB_ID")
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 5, "host": "node-7", "torchelastic_run_id": "run-b"}))
+    with pytest.raises(ConfigError, match="in use by pid 5 on host node-7"):  # another torchrun run
+        RunLock(str(tmp_path)).acquire()
+    (tmp_path / LOCK_FILE).write_text(json.dumps({"pid": 5, "host": "node-7", "torchelastic_run_id": "run-a"}))
+    lock = RunLock(str(tmp_path))
+    lock.acquire()
+    assert json.load(open(tmp_path / LOCK_FILE))["pid"] == os.getpid()
+    lock.release()
+    assert not (tmp_path / LOCK_FILE).exists()

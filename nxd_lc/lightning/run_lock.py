@@ -10,8 +10,12 @@ A lock that exists is **stale**, and taken over with a warning, when
 
 * its host is this host and its pid is not running, or is running but started at another time (pid reused:
   ``process_start`` is field 22 of ``/proc/<pid>/stat``); or
-* it carries the same ``SLURM_JOB_ID`` as this process (a requeued SLURM job is the same job on any node:
-  the previous allocation is gone by the time the job runs again).
+* its host is another one and it carries this process's ``SLURM_JOB_ID`` (a requeued SLURM job is the same job
+  on any node: the previous allocation is gone by the time the job runs again) or ``TORCHELASTIC_RUN_ID`` (torchrun
+  restarted the worker group after a failure, with global rank 0 now on another node: every agent stops its workers
+  before the new round starts).
+
+On this host the pid decides, also within one SLURM job or torchrun run: a live owner is a concurrent job step.
 
 Otherwise the run stops with a :class:`~nxd_lc.config.validate.ConfigError` that names the lock file, its owner and
 the fix. The lock is released (the file deleted, only if it is still ours) when the run ends, also on an exception,
@@ -48,9 +52,11 @@ def _owner_record() -> dict[str, Any]:
 def stale_reason(owner: dict[str, Any]) -> Optional[str]:
     """Why the lock of ``owner`` may be taken over, or None when its job may still be running (see module doc)."""
     mine = _owner_record()
-    if owner.get("slurm_job_id") and owner.get("slurm_job_id") == mine["slurm_job_id"]:
-        return f"it belongs to this SLURM job ({mine['slurm_job_id']}) before a requeue"
     if owner.get("host") != mine["host"]:
+        if owner.get("slurm_job_id") and owner.get("slurm_job_id") == mine["slurm_job_id"]:
+            return f"it belongs to this SLURM job ({mine['slurm_job_id']}) before a requeue"
+        if owner.get("torchelastic_run_id") and owner.get("torchelastic_run_id") == mine["torchelastic_run_id"]:
+            return f"it belongs to this torchrun run ({mine['torchelastic_run_id']}) before a restart of its workers"
         return None
     pid = owner.get("pid")
     if not isinstance(pid, int):
