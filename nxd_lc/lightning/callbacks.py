@@ -1,4 +1,4 @@
-"""Lightning callbacks: NxD-layout checkpointing and throughput logging."""
+"""Lightning callbacks: NxD-layout checkpointing, throughput logging, and loggers kept in step with checkpoints."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.loggers import TensorBoardLogger
 
 from nxd_lc.config.schema import CheckpointCallbackParams
 
@@ -56,6 +57,72 @@ class NxDModelCheckpoint(ModelCheckpoint):
         """
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step
+
+
+def write_step_metrics(trainer: pl.Trainer) -> None:
+    """Hand the values logged in the optimizer step that just ended to the loggers now, not after the step's hooks.
+
+    Lightning writes a step's logged values only after every ``on_train_batch_end`` hook has run
+    (``_TrainingEpochLoop.advance``: callbacks, then ``update_train_step_metrics``), so a checkpoint saved and
+    published in that hook is on disk before the scalars of its own step are written: a crash in between loses them
+    for good (the restart resumes after that step). Called before a checkpoint is published, this writes them first,
+    exactly as Lightning would (same values, same TensorBoard step, only at ``log_every_n_steps`` steps and not inside
+    a gradient-accumulation window); :class:`NxDTensorBoardLogger` drops Lightning's identical second write. Outside
+    ``on_train_batch_end`` of a training step (validation, ``on_train_end``, sanity check) it does nothing.
+    Uses Lightning's logger connector (``trainer._logger_connector``, pytorch-lightning 2.x).
+    """
+    module = trainer.lightning_module
+    if (module is None or getattr(module, "_current_fx_name", None) != "on_train_batch_end" or not trainer.training
+            or trainer.sanity_checking or not trainer.loggers):
+        return
+    if trainer.fit_loop._should_accumulate() and module.automatic_optimization:
+        return
+    connector = trainer._logger_connector
+    if connector.should_update_logs:
+        connector.log_metrics(connector.metrics["log"])
+
+
+def flush_loggers(trainer: Optional[pl.Trainer]) -> None:
+    """Make everything logged so far durable before a checkpoint is published: the current step's values
+    (:func:`write_step_metrics`), then every logger's ``save()`` and its writer's ``flush()`` (TensorBoard's
+    SummaryWriter otherwise buffers events for up to ``flush_secs``). A crash right after the publication then
+    cannot lose a scalar of a step the checkpoint covers. Every rank may call it (the loggers write on global
+    rank 0 only); None (no trainer attached yet) does nothing."""
+    if trainer is None:
+        return
+    write_step_metrics(trainer)
+    for logger in trainer.loggers:
+        logger.save()
+        flush = getattr(logger.experiment, "flush", None) if trainer.is_global_zero else None
+        if callable(flush):
+            flush()
+
+
+class NxDTensorBoardLogger(TensorBoardLogger):
+    """Lightning's TensorBoardLogger writing each (metric, step, value) once.
+
+    :func:`write_step_metrics` writes a step's values before a checkpoint is published and Lightning writes the
+    same values again moments later; the repeat is dropped so that TensorBoard shows one point per metric and step.
+    A different value for a metric at a step already written is still written (nothing logged is ever dropped).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._last_written: dict[str, tuple[Optional[int], str]] = {}  # metric -> (step, repr(value)) last written
+
+    def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
+        """Write ``metrics`` (name -> number or 0-d tensor) at ``step``, minus exact repeats of the last write."""
+        fresh = {}
+        for name, value in metrics.items():
+            number = value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+            if isinstance(number, (int, float)):
+                key = (step, repr(float(number)))  # repr: a NaN equals itself
+                if self._last_written.get(name) == key:
+                    continue
+                self._last_written[name] = key
+            fresh[name] = value
+        if fresh:
+            super().log_metrics(fresh, step)
 
 
 class ThroughputLogger(pl.Callback):

@@ -16,13 +16,13 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from pytorch_lightning.loggers import Logger, TensorBoardLogger
+from pytorch_lightning.loggers import Logger
 
 from nxd_lc.checkpoint import integrity, sharded
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import ConfigError, resolve_path
 from nxd_lc.distributed import collectives
-from nxd_lc.lightning.callbacks import NxDModelCheckpoint
+from nxd_lc.lightning.callbacks import NxDModelCheckpoint, NxDTensorBoardLogger
 from nxd_lc.lightning.run_lock import RunLock
 
 log = logging.getLogger(__name__)
@@ -65,10 +65,11 @@ def setup_log_files(cfg: NxdConfig, paths: ExpPaths, global_rank: int, local_ran
 
 
 def build_loggers(cfg: NxdConfig, paths: ExpPaths) -> list[Logger]:
-    """TensorBoard logger when ``create_tensorboard_logger`` (Lightning writes it from global rank 0)."""
+    """TensorBoard logger when ``create_tensorboard_logger`` (Lightning writes it from global rank 0; one point per
+    metric and step, see :class:`~nxd_lc.lightning.callbacks.NxDTensorBoardLogger`)."""
     if not cfg.exp_manager.create_tensorboard_logger:
         return []
-    return [TensorBoardLogger(save_dir=paths.log_dir, name="tensorboard", version="", default_hp_metric=False)]
+    return [NxDTensorBoardLogger(save_dir=paths.log_dir, name="tensorboard", version="", default_hp_metric=False)]
 
 
 def build_checkpoint_callback(cfg: NxdConfig, paths: ExpPaths) -> Optional[NxDModelCheckpoint]:

@@ -27,6 +27,7 @@ from nxd_lc.checkpoint import sharded
 from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
+from nxd_lc.lightning.callbacks import flush_loggers
 from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
 MODEL_KEY = "state_dict"
@@ -152,8 +153,8 @@ class NxDStrategy(DDPStrategy):
             save_bf16=self.save_bf16, **ranks)
         if not self.async_checkpointing:
             staged.write()
+            self._flush_loggers()  # before publishing: the checkpoint's own step is logged and on disk first
             staged.publish()
-            self._flush_loggers()
             return
         self._async_save = staged
         self._async_thread = threading.Thread(target=staged.write, name=f"nxd_lc-save-{tag}", daemon=True)
@@ -188,20 +189,16 @@ class NxDStrategy(DDPStrategy):
         self.wait_async_write()
         self._async_save, self._async_thread = None, None
         removals, self._deferred_removals = self._deferred_removals, []
+        self._flush_loggers()
         staged.publish()
         for path in removals:
             self.remove_checkpoint(path)
-        self._flush_loggers()
 
     def _flush_loggers(self) -> None:
-        """Flush the loggers when a checkpoint is published, so that no logged step older than the newest
-        checkpoint can be lost to a crash (TensorBoard buffers events for up to its flush interval)."""
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        for logger in getattr(trainer, "loggers", None) or []:
-            logger.save()
-            flush = getattr(logger.experiment, "flush", None) if trainer.is_global_zero else None
-            if callable(flush):
-                flush()
+        """Just before a checkpoint is published: write and flush what was logged up to its step
+        (:func:`nxd_lc.lightning.callbacks.flush_loggers`), so that a crash right after the publication cannot lose
+        a logged value of a step the checkpoint covers."""
+        flush_loggers(self.lightning_module.trainer if self.lightning_module is not None else None)
 
     def finish_async_save(self) -> None:
         """Collective: wait for an asynchronous save in flight and publish it (:meth:`publish_async_save`)."""
