@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -12,9 +13,11 @@ import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
 
+from nxd_lc.checkpoint import sharded
 from nxd_lc.config.schema import CheckpointCallbackParams
 
 log = logging.getLogger("nxd_lc.metrics")
+_ckpt_log = logging.getLogger(__name__)
 
 
 class NxDModelCheckpoint(ModelCheckpoint):
@@ -26,6 +29,10 @@ class NxDModelCheckpoint(ModelCheckpoint):
     """
 
     FILE_EXTENSION = ""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._remove_after_next_save: list[str] = []  # see _reconcile_top_k
 
     @classmethod
     def from_config(cls, params: CheckpointCallbackParams, dirpath: str) -> NxDModelCheckpoint:
@@ -49,7 +56,8 @@ class NxDModelCheckpoint(ModelCheckpoint):
         return Path(self.dirpath).absolute() in Path(previous).absolute().parents
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        """After a resume, do not re-save the step that was just restored.
+        """After a resume: do not re-save the step that was just restored, and bring the top-k list in line with
+        the checkpoints on disk (:meth:`_reconcile_top_k`).
 
         Lightning calls ``on_train_batch_end`` for every micro-batch; with gradient accumulation the first
         micro-batches after a resume still see the restored ``global_step``, and the base class (whose
@@ -57,6 +65,93 @@ class NxDModelCheckpoint(ModelCheckpoint):
         """
         super().on_train_start(trainer, pl_module)
         self._last_global_step_saved = trainer.global_step
+        self._reconcile_top_k(trainer)
+
+    def _save_checkpoint(self, trainer: pl.Trainer, filepath: str) -> None:
+        """Lightning's save, then the removal of a checkpoint that :meth:`_reconcile_top_k` left in place only
+        because the run resumed from it (now that a newer checkpoint exists; deferred until that one is published
+        under ``async_checkpointing``)."""
+        super()._save_checkpoint(trainer, filepath)
+        pending, self._remove_after_next_save = self._remove_after_next_save, []
+        for path in pending:
+            if os.path.abspath(path) != os.path.abspath(filepath):
+                self._remove_checkpoint(trainer, path)
+
+    def _recorded_score(self, tag_dir: str, max_step: int) -> Optional[torch.Tensor]:
+        """The monitor value this callback recorded for checkpoint ``tag_dir`` when it saved it, or None.
+
+        Read from the checkpoint's own ``user_content.pt``: the state of a ModelCheckpoint with the same
+        ``monitor`` whose ``best_k_models`` lists this checkpoint's name (so it was saved as one of the top k into
+        a directory of that name), and only when its ``global_step`` is at most ``max_step`` (the run being
+        resumed, up to the checkpoint resumed from). Anything else (another writer, a copy under another name,
+        unreadable) gives None.
+        """
+        try:
+            content = torch.load(os.path.join(tag_dir, sharded.USER_CONTENT_FILE), map_location="cpu",
+                                 weights_only=False)
+        except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is simply not adopted
+            _ckpt_log.info("save_top_k: not counting %s (user_content unreadable: %s)", tag_dir, e)
+            return None
+        step = content.get("global_step") if isinstance(content, dict) else None
+        if not isinstance(step, int) or step > max_step:
+            return None
+        name = os.path.basename(tag_dir)
+        for state in (content.get("callbacks") or {}).values():
+            if isinstance(state, dict) and state.get("monitor") == self.monitor:
+                for path, score in (state.get("best_k_models") or {}).items():
+                    if os.path.basename(str(path)) == name:
+                        return torch.as_tensor(score)
+        return None
+
+    def _top_k_plan(self, trainer: pl.Trainer) -> tuple[dict[str, torch.Tensor], list[str], list[str]]:
+        """Global rank 0's part of :meth:`_reconcile_top_k`: ``(top k, remove now, remove after the next save)``."""
+        assert self.dirpath is not None
+        dirpath = os.path.abspath(self.dirpath)
+        resumed = os.path.abspath(trainer.ckpt_path) if trainer.ckpt_path else None
+        last = os.path.abspath(self.last_model_path) if self.last_model_path else None
+        known = {os.path.abspath(p): v for p, v in self.best_k_models.items() if os.path.isdir(p)}
+        if resumed is not None and os.path.dirname(resumed) == dirpath:  # a continuation of this run
+            for tag in sharded.list_checkpoints(dirpath):
+                path = os.path.join(dirpath, tag)
+                if path not in known and path != last:
+                    score = self._recorded_score(path, trainer.global_step)
+                    if score is not None:
+                        known[path] = score
+        ranked = sorted(known, key=lambda p: float(known[p]), reverse=self.mode == "max")
+        keep, drop = ranked[:self.save_top_k], ranked[self.save_top_k:]
+        return ({p: known[p] for p in keep}, [p for p in drop if p != resumed], [p for p in drop if p == resumed])
+
+    def _reconcile_top_k(self, trainer: pl.Trainer) -> None:
+        """Collective: make ``save_top_k`` hold across restarts.
+
+        The top-k list restored from the checkpoint resumed from misses checkpoints whose removal was lost (a crash
+        between publishing a checkpoint and removing the one it displaced, removals deferred by an asynchronous save
+        that never finished), Lightning drops the list when the run directory was moved, and a smaller
+        ``save_top_k`` than the saved run's is never enforced. Global rank 0 adds every complete checkpoint in
+        ``dirpath`` that an earlier part of this run saved as a top-k checkpoint (its score read from its own
+        ``user_content.pt``, :meth:`_recorded_score`), ranks them all by ``monitor``/``mode``, removes those
+        beyond ``save_top_k`` and broadcasts the result. The checkpoint resumed from is never removed here: if it
+        falls outside the top k it is removed after the next checkpoint is saved. Nothing happens on a fresh start
+        (no checkpoint restored), without a ``monitor`` or with ``save_top_k`` -1 (keep all) or 0.
+        """
+        if trainer.ckpt_path is None or self.monitor is None or self.save_top_k <= 0 or self.dirpath is None:
+            return
+        plan = self._top_k_plan(trainer) if trainer.is_global_zero else None
+        top, remove_now, remove_later = trainer.strategy.broadcast(plan, src=0)
+        self.best_k_models = dict(top)
+        self._remove_after_next_save = list(remove_later)
+        if top:
+            worst, best = (min, max) if self.mode == "max" else (max, min)
+            if len(top) == self.save_top_k:
+                self.kth_best_model_path = worst(top, key=lambda p: float(top[p]))
+                self.kth_value = top[self.kth_best_model_path]
+            self.best_model_path = best(top, key=lambda p: float(top[p]))
+            self.best_model_score = top[self.best_model_path]
+        for path in remove_now:
+            if trainer.is_global_zero:
+                _ckpt_log.warning("save_top_k=%d: removing %s, left over beyond the top %d by %s (e.g. a crash "
+                                  "before its removal)", self.save_top_k, path, self.save_top_k, self.monitor)
+            self._remove_checkpoint(trainer, path)
 
 
 def write_step_metrics(trainer: pl.Trainer) -> None:
