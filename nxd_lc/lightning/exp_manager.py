@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -112,18 +113,35 @@ def release_run_dir() -> None:
         _held_lock = None
 
 
+def unfinished_nxd_lc_save(path: str) -> bool:
+    """True when directory ``path`` is provably an nxd_lc checkpoint save that was never published: no ``done``, and
+    the per-rank checksum lists ``manifest.d/`` (:mod:`nxd_lc.checkpoint.integrity`), which only nxd_lc's staging
+    writes and its commit removes before writing ``done``. NxD writes neither, so its checkpoints never qualify."""
+    return (os.path.isdir(path) and not sharded.is_complete(path)
+            and os.path.isdir(os.path.join(path, integrity.RANK_MANIFEST_DIR)))
+
+
 def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
     """Before training, with the run-directory lock held (no other job can be writing here): rank 0 removes
     staging and trash directories left by a crashed save or removal (a staging directory that was fully written
-    and marked ``done`` is published instead) and warns about visible checkpoint directories without ``done``:
-    nxd_lc never leaves one (it publishes by renaming a complete staging directory), so they come from elsewhere
-    (e.g. an NxD release that wrote no marker) and are ignored, not deleted. All ranks wait for it."""
+    and marked ``done`` is published instead), then looks at the visible checkpoint directories without ``done``.
+    nxd_lc publishes only by renaming a complete staging directory, so such a directory was made visible by
+    something else (a rename or copy of a staging directory, an NxD save that crashed in place): one that is
+    provably an unfinished nxd_lc save (:func:`unfinished_nxd_lc_save`) can never be loaded and is deleted; any
+    other (an NxD-written checkpoint without markers may be complete) is named in a warning and ignored, never
+    deleted. All ranks wait for it."""
     if is_global_zero and os.path.isdir(paths.checkpoint_dir):
         for name in sharded.cleanup_partial(paths.checkpoint_dir):
             log.warning("removed the leftover of an interrupted checkpoint save: %s", name)
         for name in sorted(os.listdir(paths.checkpoint_dir)):
             path = os.path.join(paths.checkpoint_dir, name)
-            if not name.startswith(".") and os.path.isdir(path) and not sharded.is_complete(path):
+            if name.startswith(".") or not os.path.isdir(path) or sharded.is_complete(path):
+                continue
+            if unfinished_nxd_lc_save(path):
+                shutil.rmtree(path)
+                log.warning("removed %s: an unfinished nxd_lc checkpoint save (per-rank checksum lists in %s/, no "
+                            "'%s' marker)", path, integrity.RANK_MANIFEST_DIR, sharded.DONE_FILE)
+            else:
                 log.warning("%s has no '%s' marker: it is not a complete checkpoint and is ignored (delete it, or "
                             "create the empty file %s if it is a complete checkpoint written by NxD)", path,
                             sharded.DONE_FILE, os.path.join(path, sharded.DONE_FILE))
