@@ -196,24 +196,32 @@ def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) 
 def load_model_weights(model: Any, checkpoint_path: str) -> None:
     """Load only the model weights of an nxd_lc checkpoint ``<root>/<tag>`` into ``model`` (this rank's shard).
 
-    Used by ``model.weight_init_only``. The checkpoint must have this run's TP/PP layout (convert through HF with
-    ``python -m nxd_lc.checkpoint.convert`` otherwise). LoRA adapters of the model (``model_alignment_strategy.peft``)
-    may be absent from it: fine-tuning a pretrained checkpoint starts them fresh (B = 0); every base weight must
-    be there.
+    Used by ``model.weight_init_only``. A checkpoint saved at another TP / PP layout is re-sharded on load
+    (:func:`nxd_lc.checkpoint.reshard.reshard_model_state`). LoRA adapters of the model
+    (``model_alignment_strategy.peft``) may be absent from it: fine-tuning a pretrained checkpoint starts them fresh
+    (B = 0); every base weight must be there.
 
     Raises:
         FileNotFoundError: the shard for this rank is missing (names the TP/PP sizes found).
         ValueError: the checkpoint's weights do not fit the model (names the keys and the config keys to check).
     """
     from nxd_lc.checkpoint import sharded
+    from nxd_lc.checkpoint.reshard import reshard_model_state, saved_layout
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.layers.lora import is_lora_key
 
     root, tag = os.path.split(os.path.abspath(checkpoint_path))
+    saved = saved_layout(os.path.join(root, tag))
+    moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
+                                     ps.get_pipeline_model_parallel_world_size())
     state, _, _ = sharded.load_checkpoint(root, tag, dp_rank=ps.get_data_parallel_rank(),
                                           tp_rank=ps.get_tensor_model_parallel_rank(),
-                                          pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False)
+                                          pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False,
+                                          read_model=not moves)
     prefix = "model."
+    if moves:  # saved at another TP / PP layout: this rank's weights are rebuilt from the saved shards
+        template = {prefix + k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
+        state = reshard_model_state(model, template, os.path.join(root, tag))
     local = {k[len(prefix):] if k.startswith(prefix) else k: v for k, v in state.items()}
     try:
         result = model.load_state_dict(local, strict=False)

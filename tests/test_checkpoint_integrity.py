@@ -177,13 +177,22 @@ def _two_tp_shards(root: str) -> None:
     torch.save(_states(21)[0], os.path.join(root, "step=2", "model", "dp_rank_00_tp_rank_01_pp_rank_00.pt"))
 
 
-def test_checkpoint_of_another_tp_size_is_a_clear_error(tmp_path: Any) -> None:
+def test_checkpoint_of_another_tp_size_is_resumed_with_a_warning_but_not_for_lora(tmp_path: Any, caplog: Any) -> None:
+    """A checkpoint of another TP size is re-sharded on load (tests/test_reshard.py): the plan picks it and says
+    so; a LoRA run cannot be re-sharded: a config error naming both layouts and the ways on."""
+    from nxd_lc.config.alignment_schema import ModelAlignmentStrategyConfig, SFTConfig
+    from nxd_lc.config.peft_schema import PeftConfig
+
     cfg = _cfg(explicit_log_dir=str(tmp_path / "run"))  # TP 1
     paths = exp_manager.experiment_paths(cfg)
     _two_tp_shards(paths.checkpoint_dir)
+    with caplog.at_level(logging.WARNING):
+        assert exp_manager.resume_plan(cfg, paths)[0] == os.path.join(paths.checkpoint_dir, "step=2")
+    assert "was saved with TP 2 x PP 1; this run (TP 1 x PP 1) re-shards its weights and optimizer state" in caplog.text
+    cfg.model_alignment_strategy = ModelAlignmentStrategyConfig(sft=SFTConfig(), peft=PeftConfig())
     with pytest.raises(ConfigError, match=r"exp_manager.resume_if_exists: checkpoint \S+step=2 was saved with "
                                           r"tensor_model_parallel_size 2 and pipeline_model_parallel_size 1, this run "
-                                          r"has 1 and 1\. .*tensor_model_parallel_size=2 .*--nproc_per_node=2"):
+                                          r"has 1 and 1; re-sharding a LoRA run .*tensor_model_parallel_size=2"):
         exp_manager.resume_plan(cfg, paths)
     cfg.distributed_strategy.tensor_model_parallel_size = 2
     assert exp_manager.resume_plan(cfg, paths)[0] == os.path.join(paths.checkpoint_dir, "step=2")

@@ -178,18 +178,10 @@ def checkpoint_parallel_sizes(tag_dir: str) -> tuple[int, int]:
     Raises:
         FileNotFoundError: no model shards, or the shard of a (TP, PP) rank is missing (incomplete checkpoint).
     """
-    folder = os.path.join(tag_dir, sharded.MODEL_DIR)
-    _, tps, pps = sharded._ranks_found(folder)
-    if not tps:
-        raise FileNotFoundError(f"checkpoint {tag_dir} has no model shards in {sharded.MODEL_DIR}/ "
-                                "(dp_rank_00_tp_rank_XX_pp_rank_XX.pt)")
-    tp, pp = max(tps) + 1, max(pps) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp)
-               if not os.path.exists(os.path.join(folder, sharded.checkpoint_file_name(0, t, p)))]
-    if missing:
-        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of (TP rank, PP rank) {missing}"
-                                f" (of TP size {tp}, PP size {pp}) are missing")
-    return tp, pp
+    from nxd_lc.checkpoint.reshard import saved_layout
+
+    saved = saved_layout(tag_dir)
+    return saved.tp, saved.pp
 
 
 def checkpoint_tp_size(tag_dir: str) -> int:

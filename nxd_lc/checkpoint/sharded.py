@@ -555,12 +555,15 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
     rels = rank_files(tag_dir, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
     if manifest is None:
         integrity.warn_unverified(tag_dir)
+        if not all(os.path.isfile(os.path.join(tag_dir, rel)) for rel in rels[:2]):
+            _check_other_layout(tag_dir)  # saved at another layout (re-sharded on load): all its shards must exist
+            return False
         for rel in rels:
             if not os.path.isfile(os.path.join(tag_dir, rel)):
                 raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
         return False
     integrity.check_present(tag_dir, manifest)
-    if rels[0] not in manifest:  # saved at another TP / PP layout (the caller reports that): verify every shard
+    if any(rel not in manifest for rel in rels[:2]):  # saved at another TP / PP / ZeRO-1 layout: verify every shard
         rels = sorted({r.split(".tensors/")[0] for r in manifest if r.startswith((MODEL_DIR + "/", OPTIM_DIR + "/"))}
                       | {r for r in rels[1:] if r in manifest})
     for rel in rels:
@@ -568,6 +571,26 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
             raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
         integrity.verify_files(tag_dir, integrity.files_under(tag_dir, rel), manifest)
     return True
+
+
+def _check_other_layout(tag_dir: str) -> None:
+    """A checkpoint without manifest whose shards for this rank's coordinates do not exist (saved at another
+    layout): every model shard of its own layout, and its optimizer shards for every (TP, PP) position, must exist.
+
+    Raises:
+        FileNotFoundError: naming the first missing shard and the sizes found.
+    """
+    _, tps, pps = _ranks_found(os.path.join(tag_dir, MODEL_DIR))
+    dps, _, _ = _ranks_found(os.path.join(tag_dir, OPTIM_DIR))
+    if not tps:
+        raise _missing_shard_error(os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, 0, 0)), tag_dir)
+    for t in range(max(tps) + 1):
+        for p in range(max(pps) + 1):
+            wanted = [(MODEL_DIR, 0)] + [(OPTIM_DIR, d) for d in range(max(dps) + 1 if dps else 0)]
+            for sub, d in wanted:
+                path = os.path.join(tag_dir, sub, checkpoint_file_name(d, t, p))
+                if not os.path.isfile(path):
+                    raise _missing_shard_error(path, tag_dir)
 
 
 def _complete_dir(ckpt_root: str, tag: str) -> str:
@@ -585,7 +608,8 @@ def _complete_dir(ckpt_root: str, tag: str) -> str:
 
 
 def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
-                    load_optim: bool = True, use_xser: bool | None = None, verify: bool = True) -> tuple[Any, Any, Any]:
+                    load_optim: bool = True, use_xser: bool | None = None, verify: bool = True,
+                    read_model: bool = True) -> tuple[Any, Any, Any]:
     """Load this rank's shards of ``<ckpt_root>/<tag>`` (CPU tensors), verified against its manifest.
 
     Args:
@@ -594,6 +618,8 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
             0's file; the optimizer from this DP rank's file, or DP rank 0's when the checkpoint
             holds only DP rank 0 optimizer files (saved without zero1).
         load_optim: read the optimizer shard (else ``None`` is returned for it).
+        read_model: read the model shard (else ``None`` is returned for it: a checkpoint saved at another
+            layout, re-sharded by :mod:`nxd_lc.checkpoint.reshard`).
         use_xser: expected format; ``None`` auto-detects (``*.tensors`` dirs). The detected format
             is always used; a mismatch with an explicit value only warns.
         verify: :func:`verify_checkpoint` first (SHA-256 of the files read; files already verified
@@ -612,7 +638,7 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
         verify_checkpoint(ckpt_root, tag, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
     xser = _detect_xser(tag_dir, use_xser)
     model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
-    model_state = _read_shard(model_path, tag_dir, xser)
+    model_state = _read_shard(model_path, tag_dir, xser) if read_model else None
     optim_state = None
     if load_optim:
         optim_state = _read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir, xser)

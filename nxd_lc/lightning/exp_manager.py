@@ -215,21 +215,27 @@ def _own_latest(cfg: NxdConfig, paths: ExpPaths) -> Optional[str]:
 
 
 def _layout_problem(cfg: NxdConfig, tag_dir: str, key: str) -> Optional[str]:
-    """A message when ``tag_dir`` was saved at another TP / PP size than this run's (None when they match)."""
-    from nxd_lc.checkpoint.convert import checkpoint_parallel_sizes
+    """A message when ``tag_dir`` was saved at another TP / PP size and cannot be re-sharded to this run's (a LoRA
+    run); None when the sizes match or the checkpoint is re-sharded on load (:mod:`nxd_lc.checkpoint.reshard`,
+    logged here)."""
+    from nxd_lc.checkpoint.reshard import saved_layout
+    from nxd_lc.config.validate import peft_config
 
-    tp, pp = checkpoint_parallel_sizes(tag_dir)
+    saved = saved_layout(tag_dir)
     ds = cfg.distributed_strategy
-    if (tp, pp) == (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size):
+    if (saved.tp, saved.pp) == (ds.tensor_model_parallel_size, ds.pipeline_model_parallel_size):
         return None
-    return (f"{key}: checkpoint {tag_dir} was saved with tensor_model_parallel_size {tp} and "
-            f"pipeline_model_parallel_size {pp}, this run has {ds.tensor_model_parallel_size} and "
-            f"{ds.pipeline_model_parallel_size}. Loading a checkpoint re-sharded to another TP / PP layout is not "
-            f"supported (its weights and optimizer state are split by TP rank and stage). Resume with "
-            f"distributed_strategy.tensor_model_parallel_size={tp} distributed_strategy.pipeline_model_parallel_size="
-            f"{pp}; or convert it to Hugging Face format at its own layout (torchrun --nproc_per_node={tp} -m "
-            f"nxd_lc.checkpoint.convert --config-name <this config> --checkpoint {tag_dir} --output <dir>) and start "
-            f"the new layout from model.hf_weights_dir: <dir> (weights only, a fresh optimizer)")
+    if peft_config(cfg) is not None:
+        return (f"{key}: checkpoint {tag_dir} was saved with tensor_model_parallel_size {saved.tp} and "
+                f"pipeline_model_parallel_size {saved.pp}, this run has {ds.tensor_model_parallel_size} and "
+                f"{ds.pipeline_model_parallel_size}; re-sharding a LoRA run (model_alignment_strategy.peft) is not "
+                f"supported: resume with distributed_strategy.tensor_model_parallel_size={saved.tp} "
+                f"distributed_strategy.pipeline_model_parallel_size={saved.pp}, or merge the adapters into an HF "
+                f"model (python -m nxd_lc.checkpoint.convert) and start from model.hf_weights_dir")
+    log.warning("%s: checkpoint %s was saved with TP %d x PP %d; this run (TP %d x PP %d) re-shards its weights "
+                "and optimizer state on load", key, tag_dir, saved.tp, saved.pp, ds.tensor_model_parallel_size,
+                ds.pipeline_model_parallel_size)
+    return None
 
 
 def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optional[str]]:
@@ -247,8 +253,8 @@ def resume_plan(cfg: NxdConfig, paths: ExpPaths) -> tuple[Optional[str], Optiona
 
     Raises:
         ConfigError: an explicit checkpoint is incomplete or fails verification; checkpoints exist but none
-            verifies; the chosen checkpoint was saved at another TP / PP size (names both and the ways on); or
-            none exists and ``resume_ignore_no_checkpoint`` is false.
+            verifies; the chosen checkpoint was saved at another TP / PP size by a LoRA run (not re-shardable;
+            names the ways on); or none exists and ``resume_ignore_no_checkpoint`` is false.
     """
     em = cfg.exp_manager
     explicit, own = _explicit_checkpoint(cfg), _own_latest(cfg, paths)

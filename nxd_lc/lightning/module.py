@@ -258,19 +258,6 @@ class NxDLanguageModel(pl.LightningModule):
         if em.log_parameter_norm:
             self.log("parameter_norm", grads.global_param_norm(self.trainable_parameters()), rank_zero_only=False)
 
-    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
-        """Refuse a ZeRO-1 optimizer checkpoint in a run without ``zero1`` (its state holds shards only).
-
-        Raises:
-            ValueError: naming ``distributed_strategy.zero1`` and the fix.
-        """
-        states = checkpoint.get("optimizer_states") or [{}]
-        saved = (states[0].get("nxd") or {}).get("zero1_world", 0)
-        if saved and not self.cfg.distributed_strategy.zero1:
-            raise ValueError(f"the checkpoint's optimizer state is sharded over {saved} DP x CP ranks (zero1) but "
-                             "distributed_strategy.zero1 is false: set it true with the same DP x CP size, or load "
-                             "weights only (model.weight_init_only: true)")
-
     def configure_optimizers(self) -> dict[str, Any]:
         """Optimizer and per-step LR scheduler from ``model.optim`` (NeMo names), wrapped for bf16 parameters and
         ZeRO-1 (:class:`~nxd_lc.optim.NxDOptimizer`); fp32 gradient accumulation buffers are installed here,

@@ -23,7 +23,7 @@ from typing import Any, Mapping, Optional
 import torch
 from pytorch_lightning.strategies import DDPStrategy
 
-from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint import reshard, sharded
 from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
@@ -32,6 +32,7 @@ from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
 MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
+RESHARD_KEY = "nxd_lc_reshard_from"  # placeholder optimizer state: re-shard it from this checkpoint directory
 
 
 def _host_copy(t: torch.Tensor) -> torch.Tensor:
@@ -91,6 +92,7 @@ class NxDStrategy(DDPStrategy):
         self._async_save: Optional[sharded.StagedSave] = None
         self._async_thread: Optional[threading.Thread] = None
         self._deferred_removals: list[Any] = []
+        self._loaded_tag_dir: Optional[str] = None  # the checkpoint load_checkpoint read (optimizer re-sharding)
 
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
@@ -208,13 +210,69 @@ class NxDStrategy(DDPStrategy):
         """Read this rank's shards of ``<root>/<tag>`` back into one Lightning checkpoint dict (with its Lightning
         version, from ``ckpt_ptl_version`` when it records none; Lightning migrates it next)."""
         root, tag = os.path.split(os.path.abspath(str(checkpoint_path)))
-        model_state, optim_state, content = sharded.load_checkpoint(root, tag, load_optim=True,
-                                                                    use_xser=self.load_xser, **self._ranks())
-        checkpoint = apply_ckpt_ptl_version(dict(content or {}), self.ckpt_ptl_version, os.path.join(root, tag))
+        tag_dir = os.path.join(root, tag)
+        self._loaded_tag_dir = tag_dir
+        model_moves, optim_moves = self._layout_changes(tag_dir)
+        if not (model_moves or optim_moves):
+            model_state, optim_state, content = sharded.load_checkpoint(root, tag, load_optim=True,
+                                                                        use_xser=self.load_xser, **self._ranks())
+        else:  # saved at another TP / PP / ZeRO-1 layout: this rank's shards are rebuilt from the saved ones
+            ranks = self._ranks()
+            model_state, _, content = sharded.load_checkpoint(root, tag, load_optim=False, use_xser=self.load_xser,
+                                                              read_model=not model_moves, **ranks)
+            if model_moves:
+                assert self.lightning_module is not None
+                model_state = reshard.reshard_model_state(self.lightning_module.model,
+                                                          self.lightning_module.state_dict(), tag_dir,
+                                                          use_xser=self.load_xser)
+            # the optimizer does not exist yet: load_optimizer_state_dict re-shards its state from the files
+            optim_state = {"optimizer_states": [{RESHARD_KEY: tag_dir}], "lr_schedulers": []} if optim_moves else None
+        checkpoint = apply_ckpt_ptl_version(dict(content or {}), self.ckpt_ptl_version, tag_dir)
         checkpoint[MODEL_KEY] = model_state
         if optim_state:
             checkpoint.update(optim_state)
         return checkpoint
+
+    def _layout_changes(self, tag_dir: str) -> tuple[bool, bool]:
+        """Whether the model shards / the optimizer shards of ``tag_dir`` must be re-sharded for this run (saved
+        at another TP or PP size; saved with ZeRO-1 over another number of DP x CP ranks)."""
+        saved = reshard.saved_layout(tag_dir)
+        model_moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
+                                               ps.get_pipeline_model_parallel_world_size())
+        files_now = ps.get_data_parallel_world_size(with_context_parallel=True) if self.zero1 else 1
+        optim_moves = saved.optim_dp > 0 and (model_moves or (saved.optim_dp > 1 and saved.optim_dp != files_now))
+        if self.lora_only and (model_moves or optim_moves):
+            raise ValueError(f"checkpoint {tag_dir} holds LoRA adapters only and was saved at another TP / PP / "
+                             "ZeRO-1 layout; re-sharding adapter checkpoints is not supported: resume at the saved "
+                             "sizes")
+        return model_moves, optim_moves
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Restore the optimizer; its state (and the LR-scheduler state) is re-sharded from the checkpoint's files
+        when it was saved at another TP / PP / ZeRO-1 layout (:func:`nxd_lc.checkpoint.reshard.reshard_optimizer_state`;
+        also one optimizer shard saved with ZeRO-1 on and restored with it off, or the reverse). Updates
+        ``checkpoint`` (Lightning's loaded checkpoint) in place.
+
+        Raises:
+            ValueError: the state cannot be re-sharded (names what and the way on).
+        """
+        states = checkpoint.get("optimizer_states") or [{}]
+        opt = self.optimizers[0] if self.optimizers else None
+        opt = getattr(opt, "_optimizer", opt)  # LightningOptimizer wraps it
+        tag_dir = states[0].get(RESHARD_KEY) if isinstance(states[0], Mapping) else None
+        if tag_dir is None and opt is not None and isinstance(states[0], Mapping):
+            saved_zero1 = (states[0].get("nxd") or {}).get("zero1_world", 0)
+            current = getattr(opt, "_world", 1) if getattr(opt, "zero1", False) else 0
+            if saved_zero1 != current and self._loaded_tag_dir is not None:
+                tag_dir = self._loaded_tag_dir
+        if tag_dir is not None:
+            assert self.lightning_module is not None and opt is not None and isinstance(checkpoint, dict)
+            state, schedulers = reshard.reshard_optimizer_state(self.lightning_module.model, opt, tag_dir,
+                                                                use_xser=self.load_xser)
+            checkpoint["optimizer_states"] = [state]
+            if schedulers is not None:
+                checkpoint["lr_schedulers"] = schedulers
+        super().load_optimizer_state_dict(checkpoint)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the local shard; bf16-saved weights (save_bf16) are cast back to the parameters' dtype.
