@@ -331,3 +331,15 @@ def test_malformed_model_config_json_names_the_file(tmp_path: Path, text: str, e
     bad.write_text(text)
     with pytest.raises(ConfigError, match=f"model.model_config: {bad} {expected}"):
         load_config(_tiny(model={"model_config": str(bad)}))
+
+
+def test_retrieval_eval_settings_are_checked() -> None:
+    raw = _tiny(exp_manager={"retrieval_eval": {"every_n_steps": 5, "tasks": ["passkey", "needle"],
+                                                "scorings": ["greedy"], "depths": [0.5, 1.5], "num_samples": 0}})
+    problems = _problems(raw)
+    assert any("exp_manager.retrieval_eval.tasks: unknown ['needle']" in p for p in problems), problems
+    assert any("exp_manager.retrieval_eval.scorings: unknown ['greedy']" in p for p in problems), problems
+    assert any("exp_manager.retrieval_eval.depths: need numbers in [0, 1]" in p for p in problems), problems
+    assert any("exp_manager.retrieval_eval.num_samples: must be >= 1" in p for p in problems), problems
+    ok = _tiny(exp_manager={"retrieval_eval": {"every_n_steps": 5, "tasks": ["passkey", "niah_multikey"]}})
+    assert load_config(ok).exp_manager.retrieval_eval.tasks == ["passkey", "niah_multikey"]

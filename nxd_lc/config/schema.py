@@ -56,6 +56,21 @@ class CheckpointCallbackParams:
 
 
 @dataclass
+class RetrievalEvalConfig:
+    """``exp_manager.retrieval_eval:`` — passkey / needle-in-a-haystack accuracy while training
+    (:mod:`nxd_lc.eval.retrieval`; haystacks from the held-out split), logged as ``retrieval/<task>/<scoring>@<L>``."""
+
+    every_n_steps: int = 0  # evaluate every N optimizer steps (0: off)
+    tasks: List[str] = field(default_factory=lambda: ["passkey"])  # of nxd_lc.eval.retrieval.TASKS
+    lengths: List[int] = field(default_factory=list)  # context lengths in tokens ([] = data.seq_length)
+    depths: List[float] = field(default_factory=lambda: [0.0, 0.5, 1.0])  # needle depths in [0, 1]
+    num_samples: int = 2  # samples per (length, depth) cell
+    scorings: List[str] = field(default_factory=lambda: ["rank"])  # rank (log-likelihood) and/or generate (greedy)
+    num_candidates: int = 10  # candidates ranked per sample
+    seed: int = 0  # sample seed (the same samples at every evaluation)
+
+
+@dataclass
 class ExpManagerConfig:
     """``exp_manager:`` — logging directories, checkpointing and resume."""
 
@@ -79,6 +94,7 @@ class ExpManagerConfig:
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     resume_from_checkpoint: Optional[str] = None  # explicit checkpoint dir (<root>/<tag>) to resume from
     ckpt_ptl_version: Optional[str] = None  # PTL version of a resumed checkpoint recording none (Lightning migrates it)
+    retrieval_eval: RetrievalEvalConfig = field(default_factory=RetrievalEvalConfig)  # passkey / NIAH during training
 
 
 @dataclass

@@ -635,7 +635,41 @@ def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
         signal_numbers(list(cfg.exp_manager.preemption_signals))
     except ValueError as e:
         return [str(e)]
-    return []
+    return _retrieval_eval_problems(cfg)
+
+
+def _retrieval_eval_problems(cfg: NxdConfig) -> list[str]:
+    """``exp_manager.retrieval_eval``: known tasks / scorings, depths in [0, 1], positive counts; pretraining data
+    (its held-out split is the haystack) and one pipeline stage."""
+    from nxd_lc.eval.retrieval import SCORINGS, TASKS
+
+    r, key = cfg.exp_manager.retrieval_eval, "exp_manager.retrieval_eval"
+    if r.every_n_steps == 0:
+        return []
+    p: list[str] = []
+    if r.every_n_steps < 0:
+        p.append(f"{key}.every_n_steps: must be >= 0 (0 = off), got {r.every_n_steps}")
+    bad = [t for t in r.tasks if t not in TASKS]
+    if bad or not r.tasks:
+        p.append(f"{key}.tasks: unknown {bad or 'none given'}; choose from {', '.join(TASKS)}")
+    bad = [s for s in r.scorings if s not in SCORINGS]
+    if bad or not r.scorings:
+        p.append(f"{key}.scorings: unknown {bad or 'none given'}; choose from {', '.join(SCORINGS)}")
+    if any(not 0 <= d <= 1 for d in r.depths) or not r.depths:
+        p.append(f"{key}.depths: need numbers in [0, 1], got {list(r.depths)}")
+    if any(L < 1 for L in r.lengths):
+        p.append(f"{key}.lengths: need positive token counts, got {list(r.lengths)}")
+    for name in ("num_samples", "num_candidates"):
+        if getattr(r, name) < 1:
+            p.append(f"{key}.{name}: must be >= 1, got {getattr(r, name)}")
+    if cfg.distributed_strategy.pipeline_model_parallel_size > 1:
+        p.append(f"{key}: not supported with pipeline_model_parallel_size > 1 (the evaluation runs the whole model "
+                 "on each rank); set every_n_steps: 0 and evaluate the converted checkpoint with "
+                 "python -m nxd_lc.eval.passkey")
+    if cfg.model_alignment_strategy is not None:
+        p.append(f"{key}: needs the pretraining data module (its held-out split is the haystack); for fine-tuning "
+                 "runs evaluate the converted checkpoint with python -m nxd_lc.eval.niah")
+    return p
 
 
 def _pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:

@@ -17,18 +17,19 @@ local tokens is exact), and the bucket sums and counts are all-reduced over the 
 Command line (single process, or torchrun at the config's ``TP x CP`` (x DP) layout)::
 
     python -m nxd_lc.eval.loss_by_position --config-name cpu_tiny_llama_yarn_config \\
-        --hf-dir nxd_lc_runs/hf/cpu_tiny_llama --edges 0,2048,8192 --num-samples 8 --json out.json
+        --hf-dir nxd_lc_runs/hf/cpu_tiny_llama --edges 0,2048,8192 --num-samples 8 --json out.json --png out.png
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import math
 import os
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any, Callable
 
 import torch
@@ -184,6 +185,7 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--split", choices=("val", "train"), default="val", help="data split (default: val)")
     p.add_argument("--label", default="", help="title printed above the table")
     p.add_argument("--json", default=None, help="also write the result (plus run facts) to this JSON file")
+    p.add_argument("--png", default=None, help="also plot the loss per bucket to this PNG (matplotlib: the eval extra)")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
     return p
 
@@ -207,6 +209,36 @@ def _eval_layout(cfg: Any, world: int) -> Any:
                          f"{ds.context_parallel_size} x PP {ds.pipeline_model_parallel_size}; run with "
                          f"--nproc_per_node a multiple of TP x CP (PP must be 1), or as one process")
     return cfg
+
+
+def init_eval_layout(cfg: Any) -> None:
+    """Initialise the process group (CPU: gloo, a group of one without torchrun) and ``parallel_state`` at ``cfg``'s
+    TP x CP layout (:func:`_eval_layout`), with its context-parallel algorithm. The caller tears them down."""
+    from nxd_lc.runtime.device import init_distributed
+
+    init_distributed("cpu")
+    ds = cfg.distributed_strategy
+    ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
+                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
+    if ds.context_parallel_size > 1:
+        from nxd_lc.context import set_context_parallel_algo
+
+        set_context_parallel_algo(ds.context_parallel_algo)
+
+
+@contextlib.contextmanager
+def eval_session() -> Iterator[None]:
+    """The evaluation CLIs' process-group scope: on leaving (also by an error) ``parallel_state`` is torn down, and
+    the default process group if it was created inside the block."""
+    import torch.distributed as dist
+
+    created = not dist.is_initialized()
+    try:
+        yield
+    finally:
+        ps.destroy_model_parallel()
+        if created and dist.is_initialized():
+            dist.destroy_process_group()
 
 
 def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: str, dp_rank: int,
@@ -269,48 +301,40 @@ def evaluate_run_config(cfg: Any, hf_dir: str, edges: Sequence[int], num_samples
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point. Returns 0, or 2 after printing a config/input error."""
-    import torch.distributed as dist
-
     from nxd_lc.checkpoint.convert import compose_run_config
     from nxd_lc.config.validate import ConfigError
-    from nxd_lc.runtime.device import init_distributed, launched_world_size
+    from nxd_lc.runtime.device import launched_world_size
 
     parser = build_arg_parser()
     args = parser.parse_args(argv)
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
-    created = not dist.is_initialized()
     try:
-        edges = parse_edges(args.edges)
-        if args.num_samples < 1:
-            raise ValueError(f"--num-samples: must be >= 1, got {args.num_samples}")
-        cfg = _eval_layout(compose_run_config(args.config_name, args.config_dir, args.overrides),
-                           launched_world_size())
-        hf_dir = args.hf_dir or cfg.model.hf_weights_dir
-        if not hf_dir:
-            raise ValueError("--hf-dir: not given and the config has no model.hf_weights_dir; nothing to evaluate")
-        init_distributed("cpu")
-        ds = cfg.distributed_strategy
-        ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
-                                     context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
-        if ds.context_parallel_size > 1:
-            from nxd_lc.context import set_context_parallel_algo
-
-            set_context_parallel_algo(ds.context_parallel_algo)
-        result = evaluate_run_config(cfg, hf_dir, edges, args.num_samples, args.split)
+        with eval_session():
+            edges = parse_edges(args.edges)
+            if args.num_samples < 1:
+                raise ValueError(f"--num-samples: must be >= 1, got {args.num_samples}")
+            cfg = _eval_layout(compose_run_config(args.config_name, args.config_dir, args.overrides),
+                               launched_world_size())
+            hf_dir = args.hf_dir or cfg.model.hf_weights_dir
+            if not hf_dir:
+                raise ValueError("--hf-dir: not given and the config has no model.hf_weights_dir; nothing to evaluate")
+            init_eval_layout(cfg)
+            result = evaluate_run_config(cfg, hf_dir, edges, args.num_samples, args.split)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    finally:
-        ps.destroy_model_parallel()
-        if created and dist.is_initialized():
-            dist.destroy_process_group()
     if int(os.environ.get("RANK", "0")) == 0:
         print(format_table(result, args.label or f"{cfg.name}: loss by position ({args.hf_dir or hf_dir})"))
         if args.json:
             os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
             with open(args.json, "w") as f:
                 json.dump(result, f, indent=2, default=str)
+        if args.png:
+            from nxd_lc.eval.plots import plot_loss_by_position
+
+            label = args.label or f"{cfg.name}: loss by position"
+            print(f"wrote {plot_loss_by_position({label: result}, args.png, label)}")
     return 0
 
 
