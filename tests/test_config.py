@@ -343,3 +343,20 @@ def test_retrieval_eval_settings_are_checked() -> None:
     assert any("exp_manager.retrieval_eval.num_samples: must be >= 1" in p for p in problems), problems
     ok = _tiny(exp_manager={"retrieval_eval": {"every_n_steps": 5, "tasks": ["passkey", "niah_multikey"]}})
     assert load_config(ok).exp_manager.retrieval_eval.tasks == ["passkey", "niah_multikey"]
+
+
+def test_mixture_and_upsampling_settings_are_checked() -> None:
+    raw = _tiny(data={"mixture": [{"source": "corpus", "weight": 0}, {"source": "synthetic", "weight": 1,
+                                                                        "tasks": ["passkey", "qa"], "min_len": 5},
+                                  {"weight": 1}],
+                      "length_upsampling": {"min_tokens": 0, "factor": 2}})
+    problems = _problems(raw)
+    for text in ("data.mixture[0].weight: must be a number > 0", "data.mixture[1]: unknown keys ['min_len']",
+                 "data.mixture[1].tasks: unknown ['qa']", "data.mixture[2]: needs {source",
+                 "data.length_upsampling: needs {min_tokens: int >= 1"):
+        assert any(text in p for p in problems), (text, problems)
+    ok = _tiny(data={"mixture": [{"source": "corpus", "weight": 0.7},
+                                 {"source": "synthetic", "weight": 0.3, "tasks": ["passkey"], "num_samples": 64}],
+                     "length_upsampling": {"min_tokens": 4096, "factor": 2.0}})
+    cfg = load_config(ok)
+    assert cfg.data.mixture[1]["num_samples"] == 64 and cfg.data.length_upsampling["factor"] == 2.0

@@ -116,6 +116,8 @@ PRETRAINING_ONLY_DATA_KEYS: dict[str, str] = {
                 "data.output_key), chat messages or prompt/chosen/rejected",
     "cross_document_attention": "a pretraining key; alignment examples are always document-masked (each example "
                                 "sees only itself, packed or not)",
+    "mixture": "a pretraining key (weighted corpora and synthetic data); alignment reads records from data.train_dir",
+    "length_upsampling": "a pretraining key (repeats long corpus documents)",
 }
 #: ``data`` keys only an alignment run reads (set = not None), with why a pretraining run does not.
 ALIGNMENT_ONLY_DATA_KEYS: dict[str, str] = {

@@ -145,6 +145,10 @@ class DataConfig:
     num_workers: int = 0  # DataLoader worker processes
     shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
     cross_document_attention: Optional[bool] = None  # pretraining: true attends across packed documents (unset: false)
+    # pretraining: weighted sources [{source: corpus | <dir/file like train_dir> | synthetic, weight: w, ...}]
+    # (synthetic: tasks, num_samples, min_length; see nxd_lc.data.mixture / nxd_lc.data.synthetic)
+    mixture: Optional[List[Dict[str, Any]]] = None
+    length_upsampling: Optional[Dict[str, Any]] = None  # pretraining: {min_tokens, factor}: repeat long docs (ProLong)
     dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
     input_key: Optional[str] = None  # alignment (NxDT SFT records): key of the prompt text (unset: input)
     output_key: Optional[str] = None  # alignment (NxDT SFT records): key of the response text (unset: output)

@@ -638,6 +638,52 @@ def _checkpoint_problems(cfg: NxdConfig) -> list[str]:
     return _retrieval_eval_problems(cfg)
 
 
+_MIXTURE_KEYS = {"corpus": {"source", "weight"}, "path": {"source", "weight"},
+                 "synthetic": {"source", "weight", "tasks", "num_samples", "min_length"}}
+
+
+def _mixture_problems(cfg: NxdConfig) -> list[str]:
+    """``data.mixture`` entries (source kind, positive weight, known keys and tasks) and ``data.length_upsampling``
+    (``min_tokens >= 1``, ``factor >= 1``)."""
+    from nxd_lc.eval.retrieval import TASKS
+
+    d, p = cfg.data, []
+    if d.length_upsampling is not None:
+        up = dict(d.length_upsampling)
+        extra = set(up) - {"min_tokens", "factor"}
+        if extra or not isinstance(up.get("min_tokens"), int) or up["min_tokens"] < 1 \
+                or not isinstance(up.get("factor"), (int, float)) or up["factor"] < 1:
+            p.append(f"data.length_upsampling: needs {{min_tokens: int >= 1, factor: number >= 1}} and nothing else, "
+                     f"got {up}")
+    if d.mixture is None:
+        return p
+    if not d.mixture:
+        return p + ["data.mixture: empty; give at least one {source, weight} entry or remove it"]
+    for i, raw in enumerate(d.mixture):
+        key = f"data.mixture[{i}]"
+        entry = dict(raw) if isinstance(raw, Mapping) else None
+        if entry is None or not isinstance(entry.get("source"), str):
+            p.append(f"{key}: needs {{source: corpus | <path> | synthetic, weight: <number > 0>}}, got {raw!r}")
+            continue
+        kind = entry["source"] if entry["source"] in ("corpus", "synthetic") else "path"
+        unknown = sorted(set(entry) - _MIXTURE_KEYS[kind])
+        if unknown:
+            p.append(f"{key}: unknown keys {unknown} for a {kind} source (allowed: {sorted(_MIXTURE_KEYS[kind])})")
+        weight = entry.get("weight")
+        if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight <= 0:
+            p.append(f"{key}.weight: must be a number > 0, got {weight!r}")
+        if kind == "synthetic":
+            tasks = entry.get("tasks", ["passkey"])
+            bad = [t for t in tasks if t not in TASKS] if isinstance(tasks, list) else [tasks]
+            if bad or not tasks:
+                p.append(f"{key}.tasks: unknown {bad or 'none given'}; choose from {', '.join(TASKS)}")
+            for name, low in (("num_samples", 1), ("min_length", 1)):
+                v = entry.get(name, low)
+                if not isinstance(v, int) or v < low:
+                    p.append(f"{key}.{name}: must be an int >= {low}, got {v!r}")
+    return p
+
+
 def _retrieval_eval_problems(cfg: NxdConfig) -> list[str]:
     """``exp_manager.retrieval_eval``: known tasks / scorings, depths in [0, 1], positive counts; pretraining data
     (its held-out split is the haystack) and one pipeline stage."""
@@ -731,7 +777,7 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
     return (_parallel_problems(cfg, world_size) + _trainer_problems(cfg) + _batch_problems(cfg)
             + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
             + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
-            + _checkpoint_problems(cfg))
+            + _checkpoint_problems(cfg) + _mixture_problems(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

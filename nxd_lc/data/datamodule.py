@@ -31,6 +31,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from nxd_lc.config.schema import DataConfig
+from nxd_lc.data.mixture import MixtureDataset
 from nxd_lc.data.packing import (
     PackedDataset,
     build_packed_samples,
@@ -143,7 +144,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         self._tokenizer = load_tokenizer(self.cfg.tokenizer, texts, cache_dir,
                                          corpus_fingerprint=train_src.fingerprint(), barrier=self.barrier)
         check_vocab(self._tokenizer, self.model_vocab_size)
-        self.train_dataset = self._packed(train_src, cache_dir)
+        self.train_dataset = self._packed(train_src, cache_dir, upsample=True)
         if val_src is not None:
             try:
                 self.val_dataset = self._packed(val_src, cache_dir)
@@ -153,10 +154,80 @@ class PretrainingDataModule(pl.LightningDataModule):
                 raise ValueError(f"data.val_fraction: the held-out split ({self.cfg.val_fraction}) of the train "
                                  f"corpus gives no validation samples ({e}); set data.val_dir, raise "
                                  f"data.val_fraction, or set it to 0 to disable validation") from e
+        if self.cfg.mixture:
+            self.train_dataset, self.val_dataset = self._mixture(cache_dir, self.train_dataset, self.val_dataset)
         self._check_val_size()
 
-    def _packed(self, src: DocumentSource, cache_dir: str) -> PackedDataset:
-        path = build_packed_samples(src, self.tokenizer, self.seq_length, cache_dir, barrier=self.barrier)
+    def _mixture(self, cache_dir: str, train: PackedDataset, val: PackedDataset | None
+                 ) -> tuple[MixtureDataset, MixtureDataset | None]:
+        """``data.mixture``: the weighted train mixture and the held-out mixture of the sources that have one
+        (``corpus``: the configured corpus; a path: its own ``val_fraction`` split; ``synthetic``: its own seed
+        stream over held-out haystacks)."""
+        c = self.cfg.resolved()
+        trains: list[Any] = []
+        vals: list[Any] = []
+        wt: list[float] = []
+        wv: list[float] = []
+        for i, entry in enumerate(c.mixture or []):
+            kind, weight = entry["source"], float(entry["weight"])
+            if kind == "corpus":
+                tr, va = train, val
+            elif kind == "synthetic":
+                tr = PackedDataset(self._synthetic(entry, "train", train, cache_dir))
+                va = PackedDataset(self._synthetic(entry, "val", val, cache_dir)) if val is not None else None
+            else:
+                src = resolve_source(kind, file_glob=c.file_glob, text_key=c.text_key,
+                                     key_name=f"data.mixture[{i}].source")
+                src_train, src_val = split_source(src, c.val_fraction) if c.val_fraction else (src, None)
+                tr = self._packed(src_train, cache_dir, upsample=True)
+                va = self._packed(src_val, cache_dir) if src_val is not None else None
+            trains.append(tr)
+            wt.append(weight)
+            if va is not None:
+                vals.append(va)
+                wv.append(weight)
+        mix = MixtureDataset(trains, wt)
+        log.info("data.mixture: %d train samples from %s (weights %s)", len(mix), mix.counts(), wt)
+        return mix, (MixtureDataset(vals, wv) if vals else None)
+
+    def _synthetic(self, entry: dict[str, Any], split: str, haystack: PackedDataset, cache_dir: str) -> str:
+        """Cached ``.npy`` of a synthetic mixture entry's rows for ``split`` (haystacks from ``haystack``: the
+        corpus split of the same name)."""
+        import hashlib
+        import os
+
+        from nxd_lc.config.validate import resolve_path
+        from nxd_lc.data.synthetic import synthetic_rows
+        from nxd_lc.data.tokenizer import build_once, tokenizer_fingerprint
+
+        tasks = list(entry.get("tasks", ["passkey"]))
+        n = int(entry.get("num_samples", 1024))
+        n = n if split == "train" else max(8, n // 20)
+        min_length = int(entry.get("min_length", 256))
+        rows = [np.asarray(haystack[i][:-1]) for i in range(min(len(haystack), -(-200_000 // self.seq_length)))]
+        hay = np.concatenate(rows).tolist()
+        key = hashlib.sha256(repr((1, tokenizer_fingerprint(self.tokenizer), tasks, n, min_length, self.seq_length,
+                                   self.seed, split, hashlib.sha256(np.asarray(hay, np.int64).tobytes()).hexdigest())
+                                  ).encode()).hexdigest()[:24]
+        path = os.path.join(resolve_path(cache_dir), "packed", f"synthetic-{key}-s{self.seq_length}.npy")
+
+        def build(tmp: str) -> None:
+            arr = synthetic_rows(self.tokenizer, hay, tasks=tasks, seq_length=self.seq_length, num_rows=n,
+                                 seed=self.seed, split=split, min_length=min_length, eos_id=self.eos_token_id)
+            with open(tmp, "wb") as f:
+                np.save(f, arr)
+            log.info("synthetic %s data (%s): %d rows of %d+1 tokens -> %s", split, ", ".join(tasks), n,
+                     self.seq_length, path)
+
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        build_once(path, build, barrier=self.barrier)
+        return path
+
+    def _packed(self, src: DocumentSource, cache_dir: str, upsample: bool = False) -> PackedDataset:
+        up = self.cfg.length_upsampling
+        spec = (int(up["min_tokens"]), float(up["factor"]), self.seed) if up and upsample else None
+        path = build_packed_samples(src, self.tokenizer, self.seq_length, cache_dir, barrier=self.barrier,
+                                    upsample=spec)
         ds = PackedDataset(path)
         if src.pretokenized:
             top = ds.max_token_id()

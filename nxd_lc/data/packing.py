@@ -160,29 +160,40 @@ def mask_document_end_labels(labels: torch.Tensor, input_ids: torch.Tensor, eos_
 
 
 def packed_cache_path(cache_dir: str, source: DocumentSource, tokenizer: PreTrainedTokenizerFast,
-                      seq_length: int) -> str:
-    """Path of the cached ``.npy`` for ``source`` packed with ``tokenizer`` into ``seq_length`` samples."""
-    key = hashlib.sha256(repr((_FORMAT_VERSION, source.fingerprint(), tokenizer_fingerprint(tokenizer),
-                               seq_length)).encode()).hexdigest()[:24]
+                      seq_length: int, upsample: tuple[int, float, int] | None = None) -> str:
+    """Path of the cached ``.npy`` for ``source`` packed with ``tokenizer`` into ``seq_length`` samples (and the
+    length upsampling ``(min_tokens, factor, seed)`` when given)."""
+    parts: tuple[Any, ...] = (_FORMAT_VERSION, source.fingerprint(), tokenizer_fingerprint(tokenizer), seq_length)
+    if upsample is not None:
+        parts += ("length_upsampling", *upsample)
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:24]
     return os.path.join(resolve_path(cache_dir), "packed", f"{key}-s{seq_length}.npy")
 
 
 def build_packed_samples(source: DocumentSource, tokenizer: PreTrainedTokenizerFast, seq_length: int,
                          cache_dir: str, *, is_builder: bool | None = None,
-                         barrier: Callable[[], None] | None = None) -> str:
+                         barrier: Callable[[], None] | None = None,
+                         upsample: tuple[int, float, int] | None = None) -> str:
     """Tokenize + pack ``source`` once (cached) and return the ``.npy`` path of its ``[N, S+1]`` int32 samples.
+
+    ``upsample = (min_tokens, factor, seed)`` repeats documents of ``>= min_tokens`` tokens ``factor`` times in
+    all (:func:`nxd_lc.data.mixture.upsample_long_documents`, ``data.length_upsampling``).
 
     Raises:
         ValueError: empty corpus (from :func:`iter_documents`), or fewer than ``seq_length + 1`` tokens
             (names the source's config key and suggests a shorter ``data.seq_length``).
     """
-    path = packed_cache_path(cache_dir, source, tokenizer, seq_length)
+    path = packed_cache_path(cache_dir, source, tokenizer, seq_length, upsample)
 
     def build(tmp: str) -> None:
         start = time.perf_counter()
         docs: Iterable[Any] = iter_documents(source)
         if not source.pretokenized:
             docs = tokenize_documents(docs, tokenizer)
+        if upsample is not None:
+            from nxd_lc.data.mixture import upsample_long_documents
+
+            docs = upsample_long_documents((np.asarray(d) for d in docs), upsample[0], upsample[1], upsample[2])
         samples, stats = pack_token_stream(docs, seq_length, None if source.pretokenized else
                                            tokenizer.eos_token_id)
         if stats.num_samples == 0:

@@ -148,7 +148,7 @@ def _assemble(intro: list[int], hay: list[int], needles: list[tuple[int, list[in
 
 def build_sample(task: str, tokenizer: Any, haystack: Sequence[int], length: int, depth: float, seed: int,
                  index: int = 0, *, num_candidates: int = 10, num_distractors: int = 3, num_values: int = 4,
-                 num_hops: int = 3) -> RetrievalSample:
+                 num_hops: int = 3, with_answer: bool = False) -> RetrievalSample:
     """The ``index``-th sample of grid cell ``(task, length, depth)`` (deterministic in all arguments).
 
     Args:
@@ -163,6 +163,8 @@ def build_sample(task: str, tokenizer: Any, haystack: Sequence[int], length: int
         num_distractors: other-key needles of ``niah_multikey``.
         num_values: values of ``niah_multivalue``.
         num_hops: chain links after the first assignment in ``variable_tracking`` (the distractor chain too).
+        with_answer: a training document instead: ``input_ids`` ends with the answer (``" " + ", ".join(answers)
+            + "."``) and still has exactly ``length`` tokens (:mod:`nxd_lc.data.synthetic`).
 
     Raises:
         ValueError: unknown task, depth outside [0, 1], or ``length`` too short for instruction + needles +
@@ -202,6 +204,8 @@ def build_sample(task: str, tokenizer: Any, haystack: Sequence[int], length: int
         intro, question = enc(VT_INTRO), enc(VT_QUESTION.format(value=value))
         answers, candidates = chain, names
     needles = [enc(t) for t in needle_texts]
+    if with_answer:
+        question = question + enc(" " + ", ".join(answers) + ".")
     budget = length - len(intro) - len(question) - sum(len(n) for n in needles)
     if budget < 0:
         raise ValueError(f"retrieval {task}: length {length} is too short for its instruction, needles and question "
