@@ -357,7 +357,11 @@ def _data_module(cfg: NxdConfig, vocab_size: int) -> Any:
     kwargs = dict(seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=vocab_size,
                   data_parallel_rank=ps.get_data_parallel_rank(),
                   data_parallel_size=ps.get_data_parallel_world_size(), global_batch_size=cfg.data.global_batch_size)
-    if cfg.model_alignment_strategy is None:
+    if cfg.model_alignment_strategy is None and cfg.data.curriculum:
+        from nxd_lc.data.curriculum import CurriculumDataModule
+
+        data = CurriculumDataModule(cfg.data, **kwargs)
+    elif cfg.model_alignment_strategy is None:
         data = PretrainingDataModule(cfg.data, **kwargs)
     else:
         from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule

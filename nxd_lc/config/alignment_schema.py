@@ -118,6 +118,7 @@ PRETRAINING_ONLY_DATA_KEYS: dict[str, str] = {
                                 "sees only itself, packed or not)",
     "mixture": "a pretraining key (weighted corpora and synthetic data); alignment reads records from data.train_dir",
     "length_upsampling": "a pretraining key (repeats long corpus documents)",
+    "curriculum": "a pretraining key (staged sequence lengths); alignment examples have one data.seq_length",
 }
 #: ``data`` keys only an alignment run reads (set = not None), with why a pretraining run does not.
 ALIGNMENT_ONLY_DATA_KEYS: dict[str, str] = {

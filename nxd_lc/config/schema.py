@@ -149,6 +149,8 @@ class DataConfig:
     # (synthetic: tasks, num_samples, min_length; see nxd_lc.data.mixture / nxd_lc.data.synthetic)
     mixture: Optional[List[Dict[str, Any]]] = None
     length_upsampling: Optional[Dict[str, Any]] = None  # pretraining: {min_tokens, factor}: repeat long docs (ProLong)
+    # pretraining: staged lengths [{until_step, seq_length, micro_batch_size?, rope_scaling?}] (nxd_lc.data.curriculum)
+    curriculum: Optional[List[Dict[str, Any]]] = None
     dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
     input_key: Optional[str] = None  # alignment (NxDT SFT records): key of the prompt text (unset: input)
     output_key: Optional[str] = None  # alignment (NxDT SFT records): key of the response text (unset: output)

@@ -358,10 +358,7 @@ def _batch_problems(cfg: NxdConfig) -> list[str]:
             p.append(f"data.seq_length: {cfg.data.seq_length} exceeds model.encoder_seq_length "
                      f"{cfg.model.encoder_seq_length} (the model's length; NxDT allows shorter data); lower it or "
                      f"raise model.encoder_seq_length")
-        tp = cfg.distributed_strategy.tensor_model_parallel_size
-        if cfg.distributed_strategy.sequence_parallel and tp >= 1 and s % tp != 0:
-            p.append(f"data.seq_length: {s} must be divisible by tensor_model_parallel_size {tp} when "
-                     f"distributed_strategy.sequence_parallel is true")
+        p += _length_divisibility_problems(cfg, s, "data.seq_length", context_parallel=False)
     if d.val_fraction is not None and not 0.0 <= d.val_fraction < 1.0:
         p.append(f"data.val_fraction: must be in [0, 1), got {d.val_fraction}")
     if d.builtin_corpus not in (None, "python_stdlib"):
@@ -395,6 +392,29 @@ def _ring_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
             "model.fusions.ring_attention: false), or run on trainer.accelerator cpu / gpu"]
 
 
+def _length_divisibility_problems(cfg: NxdConfig, s: int, key: str, *, sequence_parallel: bool = True,
+                                  context_parallel: bool = True) -> list[str]:
+    """A training length ``s`` (named ``key``) against the layout: divisible by TP under sequence parallelism, by
+    the CP chunks (ring: 2 x CP load-balanced chunks; ulysses: CP), and per CP rank by TP under sequence
+    parallelism."""
+    ds, p = cfg.distributed_strategy, []
+    cp, tp = ds.context_parallel_size, ds.tensor_model_parallel_size
+    if sequence_parallel and ds.sequence_parallel and tp >= 1 and s % tp != 0:
+        p.append(f"{key}: {s} must be divisible by tensor_model_parallel_size {tp} when "
+                 f"distributed_strategy.sequence_parallel is true")
+    if not context_parallel or cp <= 1 or tp < 1 or ds.context_parallel_algo not in ("ring", "ulysses"):
+        return p
+    chunks = 2 * cp if ds.context_parallel_algo == "ring" else cp
+    if s % chunks != 0:
+        p.append(f"{key}: {s} must be divisible by {chunks} for context_parallel_size {cp} with "
+                 f"context_parallel_algo {ds.context_parallel_algo}"
+                 + (" (load-balanced ring: 2 x CP chunks)" if ds.context_parallel_algo == "ring" else ""))
+    elif ds.sequence_parallel and (s // cp) % tp != 0:
+        p.append(f"{key}: the per-CP-rank sequence {s // cp} must be divisible by "
+                 f"tensor_model_parallel_size {tp} under sequence_parallel")
+    return p
+
+
 def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     """CP layout rules: ring needs 2*cp chunks, Ulysses needs heads divisible by cp, SP splits the CP shard."""
     p: list[str] = []
@@ -410,14 +430,7 @@ def _context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> lis
         p += _ring_attention_problems(cfg) + _ring_on_xla_problems(cfg, cfg.trainer.accelerator)
     if cp <= 1 or s is None or tp < 1:
         return p
-    chunks = 2 * cp if ds.context_parallel_algo == "ring" else cp
-    if s % chunks != 0:
-        p.append(f"data.seq_length: {s} must be divisible by {chunks} for context_parallel_size {cp} with "
-                 f"context_parallel_algo {ds.context_parallel_algo}"
-                 + (" (load-balanced ring: 2 x CP chunks)" if ds.context_parallel_algo == "ring" else ""))
-    elif ds.sequence_parallel and (s // cp) % tp != 0:
-        p.append(f"data.seq_length: the per-CP-rank sequence {s // cp} must be divisible by "
-                 f"tensor_model_parallel_size {tp} under sequence_parallel")
+    p += _length_divisibility_problems(cfg, s, "data.seq_length", sequence_parallel=False)
     if hf and ds.context_parallel_algo == "ulysses":
         heads = int(hf.get("num_attention_heads", 0))
         if tp >= 1 and heads % tp == 0 and (heads // tp) % cp != 0:
@@ -684,6 +697,75 @@ def _mixture_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+_CURRICULUM_KEYS = {"until_step", "seq_length", "micro_batch_size", "rope_scaling"}
+
+
+def _curriculum_problems(cfg: NxdConfig) -> list[str]:
+    """``data.curriculum`` (:mod:`nxd_lc.data.curriculum`): known keys; ``until_step`` increasing ints, only the
+    last stage without one (or >= ``trainer.max_steps``); each ``seq_length`` within the model's length and
+    divisible as the layout needs; ``micro_batch_size`` >= 1; ``rope_scaling`` valid (HF's requirements) and not
+    on the last stage; no pipeline parallelism."""
+    from nxd_lc.models.common.rope import rope_scaling_problems
+
+    stages = cfg.data.curriculum
+    if stages is None:
+        return []
+    if not stages:
+        return ["data.curriculum: empty; give at least one {until_step, seq_length} stage or remove it"]
+    p: list[str] = []
+    if cfg.distributed_strategy.pipeline_model_parallel_size > 1:
+        p.append("data.curriculum: not supported with distributed_strategy.pipeline_model_parallel_size > 1 yet; "
+                 "run the stages as chained runs (README 'Long-context data') or set pipeline_model_parallel_size: 1")
+    vci = cfg.trainer.val_check_interval
+    if isinstance(vci, float) and vci != 1.0:
+        p.append(f"trainer.val_check_interval: {vci} is a fraction of an epoch, which has no fixed length under "
+                 "data.curriculum (an epoch crosses stages); give an int (optimizer steps)")
+    model_len, start, max_steps = model_seq_length(cfg), 0, cfg.trainer.max_steps
+    for i, raw in enumerate(stages):
+        key = f"data.curriculum[{i}]"
+        last = i == len(stages) - 1
+        if not isinstance(raw, Mapping):
+            p.append(f"{key}: needs {{until_step, seq_length, micro_batch_size?, rope_scaling?}}, got {raw!r}")
+            continue
+        e = dict(raw)
+        unknown = sorted(set(e) - _CURRICULUM_KEYS)
+        if unknown:
+            p.append(f"{key}: unknown keys {unknown} (allowed: {sorted(_CURRICULUM_KEYS)})")
+        s = e.get("seq_length")
+        if not isinstance(s, int) or isinstance(s, bool) or s < 1:
+            p.append(f"{key}.seq_length: must be an int >= 1, got {s!r}")
+        else:
+            if model_len is not None and s > model_len:
+                p.append(f"{key}.seq_length: {s} exceeds the model's length {model_len} (model.encoder_seq_length); "
+                         "raise model.encoder_seq_length / max_position_embeddings to the longest stage")
+            p += _length_divisibility_problems(cfg, s, f"{key}.seq_length")
+        until = e.get("until_step")
+        if until is None and not last:
+            p.append(f"{key}.until_step: missing; only the last stage may omit it (it runs to trainer.max_steps)")
+        elif until is not None and (not isinstance(until, int) or isinstance(until, bool) or until <= start):
+            p.append(f"{key}.until_step: must be an int > {start} (the stage's first step), got {until!r}")
+        elif last and until is not None and max_steps > 0 and until < max_steps:
+            p.append(f"{key}.until_step: {until} < trainer.max_steps {max_steps}; the last stage runs to the end of "
+                     "training: set it to null (or >= max_steps), or add a stage")
+        start = until if isinstance(until, int) and not isinstance(until, bool) and until > start else start
+        mbs = e.get("micro_batch_size")
+        if mbs is not None and (not isinstance(mbs, int) or isinstance(mbs, bool) or mbs < 1):
+            p.append(f"{key}.micro_batch_size: must be an int >= 1, got {mbs!r}")
+        rope = e.get("rope_scaling")
+        if rope is not None and last:
+            p.append(f"{key}.rope_scaling: the last stage trains with the model's own RoPE (what its checkpoint and "
+                     "HF conversion carry); move it to model.hf_config_overrides.rope_scaling")
+        elif rope is not None and not isinstance(rope, Mapping):
+            p.append(f"{key}.rope_scaling: must be a mapping of HF rope_scaling fields, got {rope!r}")
+        elif rope is not None:
+            fields = dict(rope)
+            fields.setdefault("rope_type", fields.pop("type", None) or "default")
+            if fields["rope_type"] in ("llama3", "yarn", "longrope") and model_len is not None:
+                fields.setdefault("original_max_position_embeddings", model_len)
+            p += rope_scaling_problems(fields, f"{key}.rope_scaling", strict=False)
+    return p
+
+
 def _retrieval_eval_problems(cfg: NxdConfig) -> list[str]:
     """``exp_manager.retrieval_eval``: known tasks / scorings, depths in [0, 1], positive counts; pretraining data
     (its held-out split is the haystack) and one pipeline stage."""
@@ -777,7 +859,7 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
     return (_parallel_problems(cfg, world_size) + _trainer_problems(cfg) + _batch_problems(cfg)
             + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
             + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
-            + _checkpoint_problems(cfg) + _mixture_problems(cfg))
+            + _checkpoint_problems(cfg) + _mixture_problems(cfg) + _curriculum_problems(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

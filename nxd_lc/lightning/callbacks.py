@@ -6,7 +6,7 @@ import logging
 import os
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
 import torch
@@ -231,11 +231,15 @@ class ThroughputLogger(pl.Callback):
     Args:
         global_batch_size: sequences per optimizer step, all DP ranks together.
         seq_length: tokens per sequence.
+        schedule: optional ``step -> (global_batch_size, seq_length)`` of optimizer step ``step`` (a
+            ``data.curriculum`` changes both between stages); overrides the two constants.
     """
 
-    def __init__(self, global_batch_size: int, seq_length: int) -> None:
+    def __init__(self, global_batch_size: int, seq_length: int,
+                 schedule: Optional[Callable[[int], tuple[int, int]]] = None) -> None:
         self.global_batch_size = global_batch_size
         self.seq_length = seq_length
+        self.schedule = schedule
         self._last_time: Optional[float] = None
         self._last_step: Optional[int] = None
         self.last_tokens_per_sec: Optional[float] = None
@@ -251,8 +255,9 @@ class ThroughputLogger(pl.Callback):
         now = time.perf_counter()
         if self._last_time is not None:
             dt = max(now - self._last_time, 1e-9) / (step - self._last_step)
-            seqs = self.global_batch_size / dt
-            self.last_tokens_per_sec = seqs * self.seq_length
+            batch, seq = self.schedule(step - 1) if self.schedule else (self.global_batch_size, self.seq_length)
+            seqs = batch / dt
+            self.last_tokens_per_sec = seqs * seq
             # CPU tensors: Lightning would put a Python float on the module's device (a lazy op on XLA)
             pl_module.log("throughput/seqs_per_sec", torch.tensor(seqs), on_step=True, rank_zero_only=False)
             pl_module.log("throughput/tokens_per_sec", torch.tensor(self.last_tokens_per_sec), on_step=True,

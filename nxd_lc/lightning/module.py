@@ -20,6 +20,10 @@ Pipeline parallelism (``pipeline_model_parallel_size > 1``): a training batch ho
 :meth:`backward`) and gradients are zeroed before the schedule instead. The reductions, clipping and the optimizer
 step are the same as without pipelining (plus the tied-embedding all-reduce over the first and last stage).
 
+Length curriculum (``data.curriculum``, :mod:`nxd_lc.data.curriculum`): before each training batch and each
+validation the stage of the current optimizer step is made active (:meth:`_enter_stage`: its RoPE, set in place on
+the model's rotary embedding), and each step advances ``consumed_samples`` by its stage's global batch.
+
 Static graphs (torch-xla / Neuron; README "XLA"): nothing in a step reads a device value back to the host
 (no ``.item()``, no printing, no Python branch on a tensor value), and metric tensors are computed inside the
 step and logged without ``prog_bar`` (Lightning converts progress-bar values to Python numbers every batch).
@@ -39,6 +43,7 @@ import torch
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import gradient_bucket_size_mb
 from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, shard_batch_for_context_parallel
+from nxd_lc.data.curriculum import CurriculumStage, curriculum_stages, stage_at
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
@@ -53,7 +58,8 @@ class NxDLanguageModel(pl.LightningModule):
         cfg: the validated run config.
         model: the decoder, already sharded for this rank.
         consumed_samples_fn: returns the data module's consumed-sample count (logged, used in checkpoint names).
-        advance_samples_fn: called with ``global_batch_size`` after each optimizer step.
+        advance_samples_fn: called with the step's global batch (:meth:`step_global_batch_size`) after each
+            optimizer step.
     """
 
     def __init__(self, cfg: NxdConfig, model: torch.nn.Module,
@@ -71,6 +77,10 @@ class NxDLanguageModel(pl.LightningModule):
         self._grad_norm: Optional[torch.Tensor] = None
         self._val_loss_sum: Optional[torch.Tensor] = None
         self.pipeline = self._build_pipeline()
+        self.curriculum = curriculum_stages(cfg)  # data.curriculum: RoPE and global batch per stage
+        self._stage: Optional[CurriculumStage] = None
+        rotary = getattr(model, "rotary_emb", None)
+        self._model_rope = rotary.spec if rotary is not None else None
 
     def _build_pipeline(self) -> Any:
         """The :class:`~nxd_lc.pipeline.PipelineEngine` of this rank's stages at PP > 1, else None."""
@@ -153,6 +163,34 @@ class NxDLanguageModel(pl.LightningModule):
                 f"{get_context_parallel_algo()!r}: call nxd_lc.context.set_context_parallel_algo(...) at startup"
             )
         return shard_batch_for_context_parallel(batch, ps.get_context_parallel_rank(), cp, algo)
+
+    # ---- data.curriculum ---------------------------------------------------------------------------------------
+    def _enter_stage(self) -> None:
+        """Make the curriculum stage of the current optimizer step the active one: its RoPE on the model (a
+        stage's ``rope_scaling``, else the model's own; :meth:`RotaryEmbedding.set_spec`, in place)."""
+        if self.curriculum is None:
+            return
+        stage = stage_at(self.curriculum, int(self.trainer.global_step))
+        if stage is self._stage:
+            return
+        from nxd_lc.models.common.rope import rope_spec_with_scaling
+
+        spec = rope_spec_with_scaling(self._model_rope, stage.rope_scaling,
+                                      key=f"data.curriculum[{stage.index}].rope_scaling")
+        if self.model.rotary_emb.spec != spec:
+            self.model.rotary_emb.set_spec(spec)
+        self._stage = stage
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        self._enter_stage()
+
+    def on_validation_start(self) -> None:
+        self._enter_stage()
+
+    def step_global_batch_size(self) -> int:
+        """Samples of the current optimizer step over all DP ranks: the curriculum stage's global batch, else
+        ``data.global_batch_size``."""
+        return self._stage.global_batch_size if self._stage is not None else self.cfg.data.global_batch_size
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """Token-mean loss of the micro-batch (fp32 scalar); under CP, this rank's share of the mean over all
@@ -237,7 +275,7 @@ class NxDLanguageModel(pl.LightningModule):
         """Step, then advance consumed samples and log the step's metrics (device tensors, not read back here),
         then cut the lazy graph on XLA so that callbacks reading metrics find them computed."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
-        self._advance_samples_fn(self.cfg.data.global_batch_size)
+        self._advance_samples_fn(self.step_global_batch_size())
         self._log_step_metrics(optimizer)
         self._step_boundary()
 

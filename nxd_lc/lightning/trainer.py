@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.config.validate import data_parallel_size, peft_config, seq_length
+from nxd_lc.data.curriculum import curriculum_stages, stage_at
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.preemption import PreemptionCallback, checkpoint_callback_saver
@@ -69,7 +70,10 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
         **overrides: extra ``pl.Trainer`` keyword arguments (tests).
     """
     t = cfg.trainer
-    callbacks: list[pl.Callback] = [ThroughputLogger(cfg.data.global_batch_size, seq_length(cfg) or 0),
+    stages = curriculum_stages(cfg)
+    schedule = None if stages is None else (
+        lambda step: (stage_at(stages, step).global_batch_size, stage_at(stages, step).seq_length))
+    callbacks: list[pl.Callback] = [ThroughputLogger(cfg.data.global_batch_size, seq_length(cfg) or 0, schedule),
                                     MetricsPrinter(t.log_every_n_steps, t.max_steps)]
     ckpt = build_checkpoint_callback(cfg, paths)
     if ckpt is not None:

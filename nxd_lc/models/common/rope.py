@@ -406,6 +406,31 @@ def rope_spec_from_config(config: Any, key: str = "rope_scaling") -> RopeSpec:
                     max_position_embeddings=int(config.max_position_embeddings), params=raw)
 
 
+def rope_spec_with_scaling(base: RopeSpec, rope_scaling: Mapping[str, Any] | None,
+                           key: str = "rope_scaling") -> RopeSpec:
+    """``base`` (a model's RoPE) with its scaling replaced by ``rope_scaling`` (HF ``rope_scaling`` fields).
+
+    ``rope_theta`` defaults to the base's; llama3 / yarn / longrope's ``original_max_position_embeddings`` defaults
+    to the base's ``max_position_embeddings`` (as :func:`rope_spec_from_config`). None returns ``base`` unchanged;
+    ``{rope_type: default}`` gives unscaled RoPE at the base's theta. Used by ``data.curriculum`` stages.
+
+    Raises:
+        ValueError: every problem of the fields (:func:`rope_scaling_problems`, HF's requirements), naming ``key``.
+    """
+    if rope_scaling is None:
+        return base
+    raw = dict(rope_scaling)
+    rope_type = raw.pop("rope_type", None) or raw.pop("type", None) or "default"
+    theta = raw.pop("rope_theta", None)
+    theta = base.rope_theta if theta is None else theta
+    if rope_type in ("llama3", "yarn", "longrope") and raw.get("original_max_position_embeddings") is None:
+        raw["original_max_position_embeddings"] = base.max_position_embeddings
+    raise_on_problems(rope_scaling_problems({"rope_type": rope_type, "rope_theta": theta, **raw}, key,
+                                            head_dim=base.head_dim, strict=False), key)
+    return RopeSpec(head_dim=base.head_dim, rope_theta=float(theta), rope_type=rope_type,
+                    max_position_embeddings=base.max_position_embeddings, params=raw)
+
+
 def warn_if_rope_scaling_is_noop(config: Any, seq_length: int) -> str | None:
     """Log (warning) and return a message when the scaling brings no context extension at ``seq_length``.
 
@@ -456,18 +481,35 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, spec: RopeSpec) -> None:
         super().__init__()
+        self.spec = spec
+        self._masters: dict[str, torch.Tensor] = {}
+        self.attention_scaling = 1.0
+        self._max_seq_len_cached = spec.max_position_embeddings  # dynamic: largest length seen (HF)
+        self.set_spec(spec)
+
+    def set_spec(self, spec: RopeSpec) -> None:
+        """Switch to ``spec`` in place (frequencies recomputed on their current device; the module object, which
+        pipeline stages share, stays the same). Used between ``data.curriculum`` stages.
+
+        Raises:
+            ValueError: an unknown ``rope_type``, or a ``head_dim`` other than the current one.
+        """
         if spec.rope_type not in ROPE_INV_FREQ_FNS:
             raise ValueError(f"rope_scaling.rope_type={spec.rope_type!r} is unknown; use one of "
                              f"{list(SUPPORTED_ROPE_TYPES)}")
+        if spec.head_dim != self.spec.head_dim:
+            raise ValueError(f"RotaryEmbedding.set_spec: head_dim {spec.head_dim} != {self.spec.head_dim}")
         self.spec = spec
         inv_freq, attention_scaling = ROPE_INV_FREQ_FNS[spec.rope_type](spec, None)
         self.attention_scaling = float(attention_scaling)
-        self._masters: dict[str, torch.Tensor] = {}
         self._set_frequencies("inv_freq", inv_freq)
         if spec.rope_type == "longrope":
-            long_inv_freq, _ = _longrope_inv_freq(spec, spec.original_max_position_embeddings() + 1)
-            self._set_frequencies("long_inv_freq", long_inv_freq)
-        self._max_seq_len_cached = spec.max_position_embeddings  # dynamic: largest length seen (HF)
+            self._set_frequencies("long_inv_freq", _longrope_inv_freq(spec, spec.original_max_position_embeddings()
+                                                                      + 1)[0])
+        elif "long_inv_freq" in self._buffers:
+            del self._buffers["long_inv_freq"]
+            self._masters.pop("long_inv_freq", None)
+        self._max_seq_len_cached = spec.max_position_embeddings
 
     def _set_frequencies(self, name: str, value: torch.Tensor) -> None:
         """Store the fp32 CPU master of buffer ``name`` and (re)place the buffer on its current device."""
