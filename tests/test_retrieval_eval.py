@@ -257,6 +257,14 @@ def _layout_worker(rank: int, world: int, hf_dir: str, tp: int, cp: int, expecte
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(expected["logprobs"]), rtol=1e-4, atol=1e-4)
     nxt = retrieval.next_token(model, prompt, 1000, algo="ring")
     assert nxt == expected["next"], (nxt, expected["next"])
+    if cp == 1:  # KV cache (TP heads local): the same log-likelihoods and greedy tokens as transformers
+        cached = candidate_logprobs(model, prompt, conts, kv_cache=True, vocab_size=1000)
+        torch.testing.assert_close(torch.tensor(cached), torch.tensor(expected["logprobs"]), rtol=1e-4, atol=1e-4)
+        assert retrieval.generate_greedy(model, prompt, 8, 1000, kv_cache=True) == expected["greedy"]
+    else:  # CP shards the sequence: auto falls back to full forwards, an explicit request is an error
+        assert retrieval.kv_cache_for(model) is None
+        with pytest.raises(ValueError, match="context parallelism"):
+            retrieval.kv_cache_for(model, True)
     del tok
 
 
@@ -277,7 +285,45 @@ def test_layouts_match_transformers(tmp_path: Any, tp: int, cp: int) -> None:
             ref.append(float(sum(logp[len(s.input_ids) - 1 + k, t] for k, t in enumerate(c))))
         nxt = int(hf(torch.tensor([s.input_ids])).logits[0, -1].argmax())
     run_distributed(_layout_worker, tp * cp, str(tmp_path), tp, cp,
-                    {"prompt": s.input_ids, "conts": conts, "logprobs": ref, "next": nxt})
+                    {"prompt": s.input_ids, "conts": conts, "logprobs": ref, "next": nxt,
+                     "greedy": _hf_greedy(hf, s.input_ids, 8)})
+
+
+def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy continuation, each token from a full forward over the sequence (no cache)."""
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
+
+
+def test_kv_cache_generation_and_ranking_match_transformers(tmp_path: Any) -> None:
+    """One process: greedy decoding and candidate log-likelihoods with the KV cache (prompt once, one token or one
+    candidate at a time, cache truncated between candidates) equal transformers' full forwards; the grid reports
+    that it used the cache."""
+    from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
+    from nxd_lc.models.llama.model import build_llama_config
+
+    hf = _hf_tiny()
+    hf.save_pretrained(str(tmp_path))
+    model = LlamaForCausalLM(build_llama_config(str(tmp_path / "config.json"), {}))
+    load_hf_weights(model, str(tmp_path))
+    model.eval()
+    tok = _tokenizer()
+    hay = tok.encode(open(os.path.join(sysconfig.get_paths()["stdlib"], "calendar.py")).read())
+    s = build_sample("passkey", tok, hay, 160, 0.25, seed=3)
+    assert retrieval.generate_greedy(model, s.input_ids, 12, 1000, kv_cache=True) == _hf_greedy(hf, s.input_ids, 12)
+    conts = [tok.encode(" " + c, add_special_tokens=False) for c in s.candidates[:4]]
+    assert max(len(c) for c in conts) > 1  # multi-token candidates: several new positions over a filled cache
+    with torch.no_grad():
+        ref = [float(torch.log_softmax(hf(torch.tensor([s.input_ids + c])).logits.float(), -1)[0][
+            torch.arange(len(s.input_ids) - 1, len(s.input_ids) - 1 + len(c)), torch.tensor(c)].sum()) for c in conts]
+    got = candidate_logprobs(model, s.input_ids, conts, kv_cache=True, vocab_size=1000)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-4)
+    result = retrieval.evaluate_grid(model, tok, hay, tasks=["passkey"], lengths=[128], depths=[0.5], num_samples=1,
+                                     vocab_size=1000)
+    assert result["meta"]["kv_cache"] is True
 
 
 @pytest.mark.lane1_only  # one torchrun launch; the harness itself is tested above in both lanes

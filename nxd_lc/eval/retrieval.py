@@ -22,9 +22,11 @@ length, depth, index)``: every rank builds the same ones.
 Scoring, both reported:
 
 * ``generate`` — greedy decoding of ``max_new_tokens`` (answer length + 4) and a match when every reference string
-  occurs in the output (RULER's ``string_match_all``). No KV cache: each new token re-runs the forward over the
-  whole sequence (cost x answer length; fine at the lengths this evaluates on CPU).
-* ``rank`` — the log-likelihood of each candidate answer after the prompt (one forward per candidate); a match
+  occurs in the output (RULER's ``string_match_all``). With a KV cache (:mod:`nxd_lc.models.common.kv_cache`;
+  the default wherever the layout allows: not under CP, SP or PP) the prompt runs once and each new token alone;
+  without one each new token re-runs the forward over the whole sequence (cost x answer length).
+* ``rank`` — the log-likelihood of each candidate answer after the prompt (with a KV cache the prompt runs once and
+  each candidate over its own tokens; without, one forward per candidate over prompt + candidate); a match
   when the ``k`` best candidates are the ``k`` reference answers (``k`` = 1 except multivalue / variable tracking).
   Candidates: the references plus distractors of the same form (chance: ``k / num_candidates`` for ``k`` = 1).
 
@@ -256,12 +258,77 @@ def _cp_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def kv_cache_for(model: Any, use: bool | None = None) -> Any | None:
+    """A fresh KV cache for ``model`` (:meth:`LlamaForCausalLM.new_kv_cache`), or None to run without one.
+
+    Args:
+        use: True requires one, False never uses one, None (auto) uses one when the model and layout allow it
+            (a model with ``new_kv_cache``; not CP, SP or PP: :meth:`~LlamaForCausalLM.kv_cache_unsupported`).
+    Raises:
+        ValueError: ``use=True`` where no cache is possible (says why).
+    """
+    if use is False:
+        return None
+    why = model.kv_cache_unsupported() if hasattr(model, "kv_cache_unsupported") else \
+        "the model has no KV cache (new_kv_cache)"
+    if why is None:
+        return model.new_kv_cache()
+    if use:
+        raise ValueError(f"KV cache requested but not available: {why}")
+    return None
+
+
+def _full_vocab_logits(model: Any, ids: list[int], cache: Any, last: int, device: Any) -> torch.Tensor:
+    """Append ``ids`` to ``cache`` through ``model`` and return the fp32 logits of its last ``last`` positions over
+    the whole (TP-gathered) vocabulary, ``[last, Vp]`` on the CPU (collective over TP)."""
+    x = torch.tensor([ids], dtype=torch.long, device=device)
+    with torch.no_grad():
+        hidden = model.hidden_states(x, None, None, kv_cache=cache)
+        logits = model.logits_from_hidden(hidden[:, -last:])[0].float().cpu()  # [last, Vp/tp]
+    tp = _mp_sizes()[0]
+    if tp > 1:
+        logits = collectives.all_gather(logits.contiguous(), 1, ps.get_tensor_model_parallel_group())
+    return logits
+
+
+def _cached_logprobs(model: Any, cache: Any, prompt: list[int], continuations: list[list[int]], vocab_size: int,
+                     device: Any) -> list[float]:
+    """:func:`candidate_logprobs` with a KV cache: the prompt runs once, each continuation over its own tokens, the
+    cache truncated back to the prompt after each."""
+    first = torch.log_softmax(_masked(_full_vocab_logits(model, prompt, cache, 1, device)[0], vocab_size), -1)
+    out = []
+    for cont in continuations:
+        total = float(first[cont[0]])
+        if len(cont) > 1:
+            logp = torch.log_softmax(_masked(_full_vocab_logits(model, cont[:-1], cache, len(cont) - 1, device),
+                                             vocab_size), -1)
+            total += float(logp[torch.arange(len(cont) - 1), torch.tensor(cont[1:])].double().sum())
+            cache.truncate(len(prompt))
+        out.append(total)
+    return out
+
+
+def _masked(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """Padded vocabulary columns (``>= vocab_size``) set to -inf."""
+    logits = logits.clone()
+    logits[..., vocab_size:] = -math.inf
+    return logits
+
+
 def candidate_logprobs(model: ModelFn, prompt: list[int], continuations: list[list[int]], *, pad_id: int = 0,
-                       algo: str = "ring", device: torch.device | str | None = None) -> list[float]:
-    """``log p(continuation | prompt)`` (natural log, summed over its tokens) for each continuation; one forward per
-    continuation (no KV cache). Collective over TP and CP when ``parallel_state`` is initialised."""
+                       algo: str = "ring", device: torch.device | str | None = None,
+                       kv_cache: bool | None = False, vocab_size: int | None = None) -> list[float]:
+    """``log p(continuation | prompt)`` (natural log, summed over its tokens) for each continuation. Without a KV
+    cache one forward per continuation over prompt + continuation; with one (``kv_cache`` as :func:`kv_cache_for`;
+    needs ``vocab_size``, the real vocabulary) the prompt runs once. Collective over TP and CP when
+    ``parallel_state`` is initialised."""
     from nxd_lc.eval.loss_by_position import per_token_loss
 
+    cache = kv_cache_for(model, kv_cache)
+    if cache is not None:
+        if vocab_size is None:
+            raise ValueError("candidate_logprobs: vocab_size is required with a KV cache")
+        return _cached_logprobs(model, cache, prompt, continuations, vocab_size, device)
     out = []
     for cont in continuations:
         row = prompt + cont
@@ -295,10 +362,21 @@ def next_token(model: ModelFn, ids: list[int], vocab_size: int, *, pad_id: int =
 
 def generate_greedy(model: ModelFn, prompt: list[int], max_new_tokens: int, vocab_size: int, *,
                     eos_id: int | None = None, pad_id: int = 0, algo: str = "ring",
-                    device: torch.device | str | None = None) -> list[int]:
-    """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, stopping after ``eos_id``), without a KV cache:
-    every token re-runs the forward over the whole sequence. Collective as :func:`next_token`."""
+                    device: torch.device | str | None = None, kv_cache: bool | None = False) -> list[int]:
+    """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, stopping after ``eos_id``). With a KV cache
+    (``kv_cache`` as :func:`kv_cache_for`) the prompt runs once and each new token alone; without, every token
+    re-runs the forward over the whole sequence. Collective as :func:`next_token`."""
     out: list[int] = []
+    cache = kv_cache_for(model, kv_cache)
+    if cache is not None:
+        logits = _full_vocab_logits(model, prompt, cache, 1, device)[0]
+        for _ in range(max_new_tokens):
+            tok = int(_masked(logits, vocab_size).argmax())
+            out.append(tok)
+            if (eos_id is not None and tok == eos_id) or len(out) == max_new_tokens:
+                break
+            logits = _full_vocab_logits(model, [tok], cache, 1, device)[0]
+        return out
     for _ in range(max_new_tokens):
         tok = next_token(model, prompt + out, vocab_size, pad_id=pad_id, algo=algo, device=device)
         out.append(tok)
@@ -320,7 +398,8 @@ def score_sample(model: ModelFn, tokenizer: Any, sample: RetrievalSample, vocab_
         res["generate"] = all(a in text for a in sample.answers)
     if "rank" in scorings:
         conts = [_encode(tokenizer, " " + c) for c in sample.candidates]
-        lps = candidate_logprobs(model, sample.input_ids, conts, **{k: v for k, v in kw.items() if k != "eos_id"})
+        lps = candidate_logprobs(model, sample.input_ids, conts, vocab_size=vocab_size,
+                                 **{k: v for k, v in kw.items() if k != "eos_id"})
         order = sorted(range(len(conts)), key=lambda i: -lps[i])
         best = {sample.candidates[i] for i in order[:len(sample.answers)]}
         res["ranked"] = [sample.candidates[i] for i in order[:len(sample.answers)]]
@@ -333,7 +412,7 @@ def evaluate_grid(model: ModelFn, tokenizer: Any, haystack: Sequence[int], *, ta
                   lengths: Sequence[int], depths: Sequence[float], num_samples: int, vocab_size: int, seed: int = 0,
                   scorings: Sequence[str] = SCORINGS, threshold: float = RULER_THRESHOLD, pad_id: int = 0,
                   algo: str = "ring", device: torch.device | str | None = None,
-                  sample_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+                  sample_kwargs: dict[str, Any] | None = None, kv_cache: bool | None = None) -> dict[str, Any]:
     """Accuracy of every (task, length, depth) cell with every scoring; collective under a parallel layout (every
     rank calls it with the same arguments; DP ranks split the samples and the counts are all-reduced).
 
@@ -350,10 +429,11 @@ def evaluate_grid(model: ModelFn, tokenizer: Any, haystack: Sequence[int], *, ta
             raise ValueError(f"retrieval scoring {s!r} unknown; choose from {', '.join(SCORINGS)}")
     dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     dp_rank = ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    kw = {"pad_id": pad_id, "algo": algo, "device": device}
+    use_cache = kv_cache_for(model, kv_cache) is not None
+    kw = {"pad_id": pad_id, "algo": algo, "device": device, "kv_cache": use_cache}
     out: dict[str, Any] = {"tasks": {}, "meta": {"lengths": list(lengths), "depths": list(depths), "seed": seed,
                                                    "num_samples": num_samples, "scorings": list(scorings),
-                                                   "threshold": threshold, "kv_cache": False}}
+                                                   "threshold": threshold, "kv_cache": use_cache}}
     for task in tasks:
         cells = []
         for length in lengths:
@@ -436,6 +516,9 @@ def build_arg_parser(prog: str, default_tasks: Sequence[str]) -> Any:
     p.add_argument("--scoring", default="generate,rank", help="generate, rank or both (default both)")
     p.add_argument("--num-candidates", type=int, default=10, help="candidates ranked per sample (default 10)")
     p.add_argument("--seed", type=int, default=0, help="sample seed (default 0)")
+    p.add_argument("--kv-cache", choices=("auto", "on", "off"), default="auto",
+                   help="KV cache for generation and ranking: auto (where the layout allows: not CP, SP or PP), on "
+                        "(an error where it cannot), off (re-run the whole sequence)")
     p.add_argument("--out", required=True, help="output directory: retrieval.json and one heatmap PNG per task")
     p.add_argument("--label", default="", help="title of the table and plots")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
@@ -501,7 +584,8 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m nxd_lc.eva
             result = evaluate_grid(model, tokenizer, haystack, tasks=tasks, lengths=lengths, depths=depths,
                                    num_samples=args.num_samples, vocab_size=model.config.vocab_size, seed=args.seed,
                                    scorings=scorings, pad_id=pad, algo=ds.context_parallel_algo,
-                                   sample_kwargs={"num_candidates": args.num_candidates})
+                                   sample_kwargs={"num_candidates": args.num_candidates},
+                                   kv_cache={"auto": None, "on": True, "off": False}[args.kv_cache])
             result["meta"].update(config=cfg.name, hf_dir=os.path.abspath(hf_dir),
                                   tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                                   context_parallel_size=ps.get_context_parallel_world_size(),

@@ -211,6 +211,30 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     return _flash_documents(q, k, v, segment_ids, scale, causal)
 
 
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
+                     ) -> torch.Tensor:
+    """Attention of the newest ``S`` positions over all ``T >= S`` positions of a KV cache (inference).
+
+    q [B, Hq, S, D] are the last S of the T positions of k / v [B, Hkv, T, D] (GQA: Hq a multiple of Hkv): query i
+    (absolute position T - S + i) attends keys ``<= T - S + i`` (a bottom-right-aligned causal mask; none for
+    S = 1, the plain causal one for S = T). Runs torch SDPA on any device.
+
+    Raises:
+        ValueError: S > T, or Hq not a multiple of Hkv.
+    """
+    s, t = q.shape[2], k.shape[2]
+    if s > t or q.shape[1] % k.shape[1]:
+        raise ValueError(f"cached_attention: q {tuple(q.shape)} must be the last positions of k {tuple(k.shape)} "
+                         "with query heads a multiple of KV heads")
+    rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if s == t:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = None if s == 1 else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
 _NKI_OPTIONS: dict[str, object] = {"transpose_nki_inputs": True, "lnc": None}
 _warned_nki_documents = False
 

@@ -46,7 +46,8 @@ from nxd_lc.layers import (
 )
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.layers.tiled import tiled_causal_lm_loss, vocab_parallel_logits
-from nxd_lc.models.common.attention import CoreAttention
+from nxd_lc.models.common.attention import CoreAttention, cached_attention
+from nxd_lc.models.common.kv_cache import KVCache, LayerKVCache
 from nxd_lc.models.common.mlp import LlamaMLP
 from nxd_lc.models.common.norm import RMSNorm
 from nxd_lc.models.common.rope import (
@@ -319,8 +320,11 @@ class LlamaAttention(nn.Module):
         self.core_attention = CoreAttention(flash_attention=flash_attention)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S(/tp), H], cos/sin [B, S, D] fp32, segment_ids [B, S] or None -> [B, S(/tp), H]."""
+                segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x [B, S(/tp), H], cos/sin [B, S, D] fp32, segment_ids [B, S] or None -> [B, S(/tp), H].
+
+        With ``kv_cache`` (inference): the S positions follow the cached ones; their keys / values are appended
+        and they attend every cached position (:func:`cached_attention`); ``segment_ids`` must be None."""
         if self.qkv_linear:
             q, k, v = self.qkv_proj(x)
         else:
@@ -328,7 +332,11 @@ class LlamaAttention(nn.Module):
         b, s = q.shape[:2]
         q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
-        out = self.core_attention(q, k, v, segment_ids)  # [B, heads_local, S, D]
+        if kv_cache is not None:
+            k, v = kv_cache.append(k, v)
+            out = cached_attention(q, k, v)
+        else:
+            out = self.core_attention(q, k, v, segment_ids)  # [B, heads_local, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
@@ -348,9 +356,10 @@ class LlamaDecoderLayer(nn.Module):
                             sequence_parallel_enabled=sp, init_method=init_method, **layer_kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """x [B, S(/tp), H], segment_ids [B, S] or None (see :class:`LlamaForCausalLM`) -> [B, S(/tp), H]."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids)
+                segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+        """x [B, S(/tp), H], segment_ids [B, S] or None (see :class:`LlamaForCausalLM`), this layer's
+        ``kv_cache`` or None -> [B, S(/tp), H]."""
+        h = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv_cache)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -487,8 +496,29 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"position_ids shape {tuple(position_ids.shape)} must equal input_ids' {(b, s)}")
         return position_ids
 
+    def kv_cache_unsupported(self) -> str | None:
+        """Why this model cannot run with a :class:`KVCache` at the current layout, or None when it can."""
+        if parallel_state.get_context_parallel_world_size() > 1:
+            return "context parallelism shards the sequence over ranks"
+        if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
+            return "sequence parallelism splits every forward's positions over the TP ranks"
+        if any(isinstance(layer, RemoteLayer) for layer in self.layers):
+            return "pipeline parallelism holds the layers on several ranks"
+        return None
+
+    def new_kv_cache(self) -> KVCache:
+        """An empty :class:`KVCache` for :meth:`hidden_states` / :meth:`forward` (inference).
+
+        Raises:
+            ValueError: the layout cannot use one (:meth:`kv_cache_unsupported`).
+        """
+        why = self.kv_cache_unsupported()
+        if why is not None:
+            raise ValueError(f"KV cache not available: {why}")
+        return KVCache(len(self.layers))
+
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                      segment_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
         """input_ids [B, S], position_ids [B, S] or None (0..S-1) -> lm-head input [B, S, H].
 
         The final norm's output, entered into the TP region exactly as the lm head's column layer does:
@@ -500,14 +530,24 @@ class LlamaForCausalLM(nn.Module):
         attention to each document (see :func:`nxd_lc.models.common.attention.core_attention`); None or all
         zeros attends causally over the whole row.
 
+        ``kv_cache`` (from :meth:`new_kv_cache`; inference, no gradient): ``input_ids`` continue the cached
+        positions (``position_ids`` default ``cache.length + arange(S)``) and are appended to the cache.
+
         Raises:
-            ValueError: bad input shapes (names the tensor), or decreasing / non-integer segment_ids.
+            ValueError: bad input shapes (names the tensor), or decreasing / non-integer segment_ids;
+                ``segment_ids`` together with a ``kv_cache``.
         """
+        if kv_cache is not None:
+            if segment_ids is not None:
+                raise ValueError("hidden_states: segment_ids (packed documents) cannot be used with a kv_cache")
+            if position_ids is None:
+                b, s = input_ids.shape
+                position_ids = (kv_cache.length + torch.arange(s, device=input_ids.device)).unsqueeze(0).expand(b, s)
         position_ids = self._check_inputs(input_ids, position_ids)
         self._check_segment_ids(segment_ids, input_ids)
         cos, sin = self.rotary_emb(position_ids)  # [B, S, D] fp32
         h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
-        h = self.run_layers(h, range(len(self.layers)), cos, sin, segment_ids)
+        h = self.run_layers(h, range(len(self.layers)), cos, sin, segment_ids, kv_cache)
         return self.head_input(h)
 
     @staticmethod
@@ -517,14 +557,18 @@ class LlamaForCausalLM(nn.Module):
                              f"{tuple(input_ids.shape)}")
 
     def run_layers(self, h: torch.Tensor, layer_ids: Iterable[int], cos: torch.Tensor, sin: torch.Tensor,
-                   segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Decoder layers ``layer_ids`` in order: h [B, S(/tp), H] -> [B, S(/tp), H]; cos/sin [B, S, D] fp32.
+                   segment_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """Decoder layers ``layer_ids`` in order: h [B, S(/tp), H] -> [B, S(/tp), H]; cos/sin [B, S, D] fp32;
+        ``kv_cache``: see :meth:`hidden_states`.
 
         Raises:
             RuntimeError: a layer of ``layer_ids`` lives on another pipeline stage.
         """
         for i in layer_ids:
-            h = self.layers[i](h, cos, sin, segment_ids)
+            if kv_cache is None:
+                h = self.layers[i](h, cos, sin, segment_ids)
+            else:
+                h = self.layers[i](h, cos, sin, segment_ids, kv_cache.layers[i])
         return h
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
@@ -543,12 +587,13 @@ class LlamaForCausalLM(nn.Module):
         return vocab_parallel_logits(hidden, self.lm_head.weight, self.num_valid_vocab_local)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [B, S] (+ position_ids, segment_ids as :meth:`hidden_states`) -> logits_local [B, S, Vp/tp].
+                segment_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
+        """input_ids [B, S] (+ position_ids, segment_ids, kv_cache as :meth:`hidden_states`) -> logits_local
+        [B, S, Vp/tp].
 
         ``logits_from_hidden(hidden_states(...))``: the lm head of the model's ``lm_head`` weight.
         """
-        return self.logits_from_hidden(self.hidden_states(input_ids, position_ids, segment_ids))
+        return self.logits_from_hidden(self.hidden_states(input_ids, position_ids, segment_ids, kv_cache))
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
              ignore_index: int = -100, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
