@@ -408,3 +408,26 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     assert bad.returncode == 2 and "--tasks: unknown ['needle']" in bad.stderr
     bad = cli("nxd_lc.eval.passkey", "--depths", "0,2", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "--depths: need numbers in [0, 1]" in bad.stderr
+
+
+def test_niah_sft_records_are_harness_prompts_with_their_answers(tok: Any, hay: list[int]) -> None:
+    """examples/long_context/build_niah_sft.py: each record's input is the harness prompt of its task (tokens
+    round-trip to the sampled length), its output the answer after it as the harness scores generations, and the
+    answer occurs in the input (a needle) for the needle tasks."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples", "long_context",
+                        "build_niah_sft.py")
+    spec = importlib.util.spec_from_file_location("build_niah_sft", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.records(tok, hay, 8, ["niah_single", "niah_multivalue", "variable_tracking"], 300, 600, seed=7)
+    assert {r["task"] for r in rows} <= {"niah_single", "niah_multivalue", "variable_tracking"}
+    for i, r in enumerate(rows):
+        s = build_sample(r["task"], tok, hay, r["prompt_tokens"], r["depth"], 7, i)
+        assert r["input"] == tok.decode(s.input_ids) and 300 <= r["prompt_tokens"] <= 600
+        assert r["output"] == " " + ", ".join(s.answers) + "."
+        if r["task"] != "variable_tracking":  # the value is in a needle; chain variables are the answer's names
+            assert all(a in r["input"] for a in s.answers)
+    assert rows != mod.records(tok, hay, 8, ["niah_single", "niah_multivalue", "variable_tracking"], 300, 600, 8)

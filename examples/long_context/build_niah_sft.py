@@ -49,7 +49,7 @@ def records(tokenizer: Any, haystack: list[int], n: int, tasks: list[str], min_l
         task, length, depth = rng.choice(tasks), rng.randint(min_len, max_len), rng.random()
         s = build_sample(task, tokenizer, haystack, length, depth, seed, i)
         out.append({"input": tokenizer.decode(s.input_ids), "output": " " + ", ".join(s.answers) + ".",
-                    "task": task, "prompt_tokens": length, "depth": round(depth, 3)})
+                    "task": task, "prompt_tokens": length, "depth": depth})
     return out
 
 

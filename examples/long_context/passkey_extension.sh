@@ -58,4 +58,5 @@ $PY -m nxd_lc.checkpoint.convert --config-name cpu_passkey_yarn_config \
 evaluate cpu_passkey_yarn_config "$HF2" continued "after the YaRN continuation at 2048"
 
 step "(f) summary"
-$PY examples/long_context/summarize_passkey.py "$OUT" | tee "$OUT/summary.md"
+$PY examples/long_context/summarize_retrieval.py "$OUT" base="base model (512, RoPE unscaled)" \
+  yarn_zero_shot="base + YaRN x4, zero-shot" continued="YaRN x4 + continuation at 2048" | tee "$OUT/summary.md"
