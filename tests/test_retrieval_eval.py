@@ -394,7 +394,7 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "passkey  generate |" in out.stdout and "passkey      rank |" in out.stdout
     result = json.loads((tmp_path / "pk" / "retrieval.json").read_text())
-    assert list(result["tasks"]) == ["passkey"] and result["meta"]["kv_cache"] is False
+    assert list(result["tasks"]) == ["passkey"] and result["meta"]["kv_cache"] is True  # auto: TP 1, no CP
     assert [(c["length"], c["depth"], c["n"]) for c in result["tasks"]["passkey"]["cells"]] == [
         (300, 0.0, 1), (300, 1.0, 1), (400, 0.0, 1), (400, 1.0, 1)]
     assert (tmp_path / "pk" / "passkey_heatmap.png").stat().st_size > 1000
