@@ -321,6 +321,25 @@ def test_kv_cache_generation_and_ranking_match_transformers(tmp_path: Any) -> No
             torch.arange(len(s.input_ids) - 1, len(s.input_ids) - 1 + len(c)), torch.tensor(c)].sum()) for c in conts]
     got = candidate_logprobs(model, s.input_ids, conts, kv_cache=True, vocab_size=1000)
     torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=1e-4, atol=1e-4)
+    # score_sample prefills the prompt once for both scorings and agrees with the cache-less full forwards
+    full_len = []
+    hidden_states = model.hidden_states
+
+    def counting(x: torch.Tensor, *a: Any, **k: Any) -> torch.Tensor:
+        full_len.append(x.shape[1] == len(s.input_ids))
+        return hidden_states(x, *a, **k)
+
+    model.hidden_states = counting
+    cached_res = score_sample(model, tok, s, 1000, kv_cache=True)
+    assert sum(full_len) == 1 and len(full_len) > 3, full_len
+    plain = score_sample(model, tok, s, 1000, kv_cache=False)
+    assert (cached_res["output"], cached_res["ranked"]) == (plain["output"], plain["ranked"])
+    ref_toks = _hf_greedy(hf, s.input_ids, sum(len(tok.encode(" " + a, add_special_tokens=False))
+                                               for a in s.answers) + 4)
+    if tok.eos_token_id in ref_toks:
+        ref_toks = ref_toks[:ref_toks.index(tok.eos_token_id) + 1]
+    assert cached_res["output"] == tok.decode(ref_toks)
+    del model.hidden_states
     result = retrieval.evaluate_grid(model, tok, hay, tasks=["passkey"], lengths=[128], depths=[0.5], num_samples=1,
                                      vocab_size=1000)
     assert result["meta"]["kv_cache"] is True

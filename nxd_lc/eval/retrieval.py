@@ -292,10 +292,13 @@ def _full_vocab_logits(model: Any, ids: list[int], cache: Any, last: int, device
 
 
 def _cached_logprobs(model: Any, cache: Any, prompt: list[int], continuations: list[list[int]], vocab_size: int,
-                     device: Any) -> list[float]:
-    """:func:`candidate_logprobs` with a KV cache: the prompt runs once, each continuation over its own tokens, the
-    cache truncated back to the prompt after each."""
-    first = torch.log_softmax(_masked(_full_vocab_logits(model, prompt, cache, 1, device)[0], vocab_size), -1)
+                     device: Any, prompt_logits: torch.Tensor | None = None) -> list[float]:
+    """:func:`candidate_logprobs` with a KV cache: the prompt runs once (or not at all when ``cache`` already holds
+    it and ``prompt_logits``, its last position's ``[Vp]`` logits, are given), each continuation over its own
+    tokens, the cache truncated back to the prompt after each."""
+    if prompt_logits is None:
+        prompt_logits = _full_vocab_logits(model, prompt, cache, 1, device)[0]
+    first = torch.log_softmax(_masked(prompt_logits, vocab_size), -1)
     out = []
     for cont in continuations:
         total = float(first[cont[0]])
@@ -362,14 +365,18 @@ def next_token(model: ModelFn, ids: list[int], vocab_size: int, *, pad_id: int =
 
 def generate_greedy(model: ModelFn, prompt: list[int], max_new_tokens: int, vocab_size: int, *,
                     eos_id: int | None = None, pad_id: int = 0, algo: str = "ring",
-                    device: torch.device | str | None = None, kv_cache: bool | None = False) -> list[int]:
+                    device: torch.device | str | None = None, kv_cache: bool | None = False,
+                    prefilled: tuple[Any, torch.Tensor] | None = None) -> list[int]:
     """Greedy continuation of ``prompt`` (up to ``max_new_tokens``, stopping after ``eos_id``). With a KV cache
     (``kv_cache`` as :func:`kv_cache_for`) the prompt runs once and each new token alone; without, every token
-    re-runs the forward over the whole sequence. Collective as :func:`next_token`."""
+    re-runs the forward over the whole sequence. ``prefilled``: ``(cache, logits)`` of a cache that already holds
+    exactly ``prompt`` and its last position's ``[Vp]`` logits (the cache is extended by the generated tokens;
+    the caller truncates it). Collective as :func:`next_token`."""
     out: list[int] = []
-    cache = kv_cache_for(model, kv_cache)
+    cache, logits = prefilled if prefilled is not None else (kv_cache_for(model, kv_cache), None)
     if cache is not None:
-        logits = _full_vocab_logits(model, prompt, cache, 1, device)[0]
+        if logits is None:
+            logits = _full_vocab_logits(model, prompt, cache, 1, device)[0]
         for _ in range(max_new_tokens):
             tok = int(_masked(logits, vocab_size).argmax())
             out.append(tok)
@@ -387,19 +394,29 @@ def generate_greedy(model: ModelFn, prompt: list[int], max_new_tokens: int, voca
 
 def score_sample(model: ModelFn, tokenizer: Any, sample: RetrievalSample, vocab_size: int,
                  scorings: Sequence[str] = SCORINGS, **kw: Any) -> dict[str, Any]:
-    """``{"generate": bool, "rank": bool, "output": str, "ranked": [...]}`` for one sample (see module docstring)."""
+    """``{"generate": bool, "rank": bool, "output": str, "ranked": [...]}`` for one sample (see module docstring).
+
+    With a KV cache (``kw["kv_cache"]`` as :func:`kv_cache_for`) the prompt is prefilled once for both scorings:
+    greedy generation extends the cache, which is then truncated back to the prompt for the candidates."""
     res: dict[str, Any] = {}
+    prompt = sample.input_ids
+    cache = kv_cache_for(model, kw.get("kv_cache", False))
+    prefilled = None if cache is None else (cache, _full_vocab_logits(model, prompt, cache, 1, kw.get("device"))[0])
     if "generate" in scorings:
         n = sum(len(_encode(tokenizer, " " + a)) for a in sample.answers) + 4
-        toks = generate_greedy(model, sample.input_ids, n, vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
-                               **kw)
+        toks = generate_greedy(model, prompt, n, vocab_size, eos_id=getattr(tokenizer, "eos_token_id", None),
+                               prefilled=prefilled, **kw)
         text = tokenizer.decode(toks)
         res["output"] = text
         res["generate"] = all(a in text for a in sample.answers)
     if "rank" in scorings:
         conts = [_encode(tokenizer, " " + c) for c in sample.candidates]
-        lps = candidate_logprobs(model, sample.input_ids, conts, vocab_size=vocab_size,
-                                 **{k: v for k, v in kw.items() if k != "eos_id"})
+        if prefilled is not None:
+            cache.truncate(len(prompt))
+            lps = _cached_logprobs(model, cache, prompt, conts, vocab_size, kw.get("device"), prefilled[1])
+        else:
+            lps = candidate_logprobs(model, prompt, conts, vocab_size=vocab_size,
+                                     **{k: v for k, v in kw.items() if k != "eos_id"})
         order = sorted(range(len(conts)), key=lambda i: -lps[i])
         best = {sample.candidates[i] for i in order[:len(sample.answers)]}
         res["ranked"] = [sample.candidates[i] for i in order[:len(sample.answers)]]
