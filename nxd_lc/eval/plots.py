@@ -45,7 +45,8 @@ def plot_retrieval_heatmaps(result: Mapping[str, Any], out_dir: str, title: str 
             ax.set_xticks(range(len(lengths)), [str(L) for L in lengths])
             ax.set_yticks(range(len(depths)), [f"{d:g}" for d in depths])
             ax.set_xlabel("context length (tokens)")
-            ax.set_ylabel("needle depth")
+            if ax is axes[0][0]:  # shared rows: one label (a second one would overlap the first panel)
+                ax.set_ylabel("needle depth")
             eff = r["effective_length"][scoring]
             ax.set_title(f"{task}: {scoring} (effective length {eff})", fontsize=9)
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="accuracy")
