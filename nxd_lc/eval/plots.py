@@ -48,10 +48,10 @@ def plot_retrieval_heatmaps(result: Mapping[str, Any], out_dir: str, title: str 
             if ax is axes[0][0]:  # shared rows: one label (a second one would overlap the first panel)
                 ax.set_ylabel("needle depth")
             eff = r["effective_length"][scoring]
-            ax.set_title(f"{task}: {scoring} (effective length {eff})", fontsize=9)
+            ax.set_title(f"{task}: {scoring}\n(effective length {eff})", fontsize=9)
         fig.colorbar(im, ax=list(axes[0]), shrink=0.8, label="accuracy")
         if title:
-            fig.suptitle(title, fontsize=10)
+            fig.suptitle(title, fontsize=10, y=1.03)  # above the two-line panel titles
         path = os.path.join(out_dir, f"{task}_heatmap.png")
         fig.savefig(path, dpi=110, bbox_inches="tight")
         plt.close(fig)
