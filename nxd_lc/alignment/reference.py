@@ -44,6 +44,8 @@ from nxd_lc.config.validate import resolve_path
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import lora_disabled, lora_modules
+from nxd_lc.runtime.accel import HOST
+from nxd_lc.runtime.xla import is_xla_tensor
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +130,7 @@ class FrozenReference:
 def _param_checksum(p: torch.Tensor) -> torch.Tensor:
     """int64 ``[2]``: sums of ``v`` and ``v^2 + 40503 v`` modulo 2^31-1 over the raw bit patterns ``v``."""
     flat = p.detach().reshape(-1)
-    if flat.device.type not in ("cpu", "cuda"):
+    if is_xla_tensor(flat):  # on the host: no lazy graph for a checksum
         flat = flat.cpu()
     flat = flat.view(_INT_VIEWS[flat.element_size()])
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
@@ -151,7 +153,7 @@ def weights_checksum(model: nn.Module) -> str:
     the TP and PP groups; reads every weight once (chunked).
     """
     device = next(model.parameters()).device
-    device = device if device.type in ("cpu", "cuda") else torch.device("cpu")
+    device = HOST if device.type == "xla" else device
     total = torch.zeros(2, dtype=torch.int64, device=device)
     first_tp_rank = ps.get_tensor_model_parallel_rank() == 0
     for name, p in model.named_parameters():

@@ -380,11 +380,21 @@ def _ring_attention_problems(cfg: NxdConfig) -> list[str]:
     return []
 
 
+def _lazy_neuron_or_xla(accelerator: str) -> bool:
+    """``trainer.accelerator`` 'xla', or 'neuron' unless this host has the native (PrivateUse1) Neuron device,
+    which is eager and has point-to-point send/recv (:func:`nxd_lc.runtime.device.is_lazy_config_accelerator`)."""
+    if accelerator not in ("xla", "neuron"):
+        return False
+    from nxd_lc.runtime.device import is_lazy_config_accelerator  # runtime.device imports this module
+
+    return is_lazy_config_accelerator(accelerator)
+
+
 def _ring_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
     """Ring context parallelism needs point-to-point send/recv, which the torch-xla process group does not offer
     (:func:`nxd_lc.distributed.collectives.ring_exchange`): reject it on xla / neuron before anything is built."""
     ds = cfg.distributed_strategy
-    if ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring" or accelerator not in ("xla", "neuron"):
+    if ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring" or not _lazy_neuron_or_xla(accelerator):
         return []
     return [f"distributed_strategy.context_parallel_algo: ring attention (context_parallel_size "
             f"{ds.context_parallel_size}) is not available on trainer.accelerator {accelerator} (the XLA process "
@@ -846,7 +856,7 @@ def _pipeline_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
     """The pipeline schedule sends activations point to point, which the torch-xla process group does not offer
     (as for ring attention): reject PP > 1 on xla / neuron before anything is built."""
     pp = cfg.distributed_strategy.pipeline_model_parallel_size
-    if pp <= 1 or accelerator not in ("xla", "neuron"):
+    if pp <= 1 or not _lazy_neuron_or_xla(accelerator):
         return []
     return [f"distributed_strategy.pipeline_model_parallel_size: pipeline parallelism ({pp} stages) is not "
             f"available on trainer.accelerator {accelerator} (the XLA process group has no point-to-point "
@@ -906,11 +916,11 @@ def _auto_ring_on_xla(cfg: NxdConfig) -> list[str]:
     ring = ds.context_parallel_size > 1 and ds.context_parallel_algo == "ring"
     if cfg.trainer.accelerator != "auto" or not (ring or ds.pipeline_model_parallel_size > 1):
         return []
-    from nxd_lc.runtime.xla import neuron_available  # auto picks neuron first (nxd_lc.runtime.device)
+    from nxd_lc.runtime.device import neuron_resolution  # auto picks neuron first (nxd_lc.runtime.device)
 
     return ["not supported yet: " + p.replace("trainer.accelerator neuron", "trainer.accelerator auto (= neuron here)")
             for p in _ring_on_xla_problems(cfg, "neuron") + _pipeline_on_xla_problems(cfg, "neuron")] \
-        if neuron_available() else []
+        if neuron_resolution() == "neuron" else []
 
 
 def check_supported(cfg: NxdConfig) -> None:

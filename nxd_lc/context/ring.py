@@ -37,6 +37,7 @@ import torch
 
 from nxd_lc.context.sharding import local_chunk_ranges
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.runtime.accel import HOST
 
 __all__ = ["DEFAULT_TILE_SIZE", "ring_attention"]
 
@@ -77,7 +78,7 @@ def _segments(seg: torch.Tensor | None, tiles: list[_Tile]) -> _Segments | None:
     """Tile bounds of ``seg`` (one device -> host copy per call; None without segment ids)."""
     if seg is None:
         return None
-    host = seg.detach().to("cpu")
+    host = seg.detach().to(HOST)  # host read (a graph break under torch.compile)
     parts = [host[:, t.local:t.local + t.length] for t in tiles]
     return _Segments(seg, [p.amin(dim=1).tolist() for p in parts], [p.amax(dim=1).tolist() for p in parts])
 

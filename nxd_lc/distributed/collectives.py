@@ -35,27 +35,30 @@ _REDUCE_OPS = {
     "max": dist.ReduceOp.MAX,
     "min": dist.ReduceOp.MIN,
 }
-_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "xla": "xla"}
-_TENSOR_COLLECTIVE_BACKENDS = ("nccl", "xla")  # backends with all_gather_into_tensor / reduce_scatter_tensor
+# backends with all_gather_into_tensor / reduce_scatter_tensor (gloo has neither): NCCL, torch-xla, XPU's XCCL,
+# TorchNeuron's native 'neuron' backend
+_TENSOR_COLLECTIVE_BACKENDS = ("nccl", "xla", "xccl", "neuron")
 
 
 def default_backend(device_type: str) -> str:
-    """Return the torch.distributed backend for a device type: ``'gloo'`` (cpu), ``'nccl'`` (cuda),
-    ``'xla'`` (xla; registers torch-xla's backend with torch.distributed first).
+    """Return the torch.distributed backend for a device type: ``'xla'`` for xla (registers torch-xla's backend
+    with torch.distributed first), else the backend torch registers for it (``'gloo'`` for cpu, ``'nccl'`` for
+    cuda, ``'neuron'`` for TorchNeuron's device: :func:`nxd_lc.runtime.accel.process_group_backend`).
 
     Raises:
-        ValueError: for any other device type.
+        ValueError: no backend is registered for the device type.
         ModuleNotFoundError: ``'xla'`` without torch-xla installed.
     """
-    if device_type not in _BACKENDS:
-        raise ValueError(
-            f"default_backend: unsupported device type {device_type!r}; expected one of {sorted(_BACKENDS)}"
-        )
     if device_type == "xla":
         from nxd_lc.runtime.xla import xla_process_group_backend
 
         return xla_process_group_backend()
-    return _BACKENDS[device_type]
+    from nxd_lc.runtime.accel import process_group_backend
+
+    try:
+        return process_group_backend(device_type)
+    except ValueError as e:
+        raise ValueError(f"default_backend: unsupported device type {device_type!r}: {e}") from None
 
 
 def is_initialized() -> bool:
@@ -270,12 +273,13 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
     """Element-wise maximum of small host integers over every rank of the world group (a vote).
 
     A control-plane collective (flags such as "a signal arrived", "my write failed"), never on the device
-    graph: gloo reduces a CPU tensor, nccl one on the current CUDA device, xla uses torch-xla's host-side
-    ``xm.mesh_reduce`` (no lazy graph). Every rank must call it, with the same ``len(values)`` and ``tag``.
-    Without torch.distributed (or with one rank) it returns ``list(values)``.
+    graph: gloo reduces a CPU tensor, an accelerator backend (nccl, TorchNeuron's neuron) one on the current
+    accelerator device, xla uses torch-xla's host-side ``xm.mesh_reduce`` (no lazy graph). Every rank must call
+    it, with the same ``len(values)`` and ``tag``. Without torch.distributed (or with one rank) it returns
+    ``list(values)``.
 
     Raises:
-        RuntimeError: the world group's backend is none of gloo / nccl / xla.
+        RuntimeError: a non-gloo, non-xla backend without a current accelerator device.
     """
     values = [int(v) for v in values]
     if not is_initialized() or dist.get_world_size() == 1:
@@ -285,12 +289,12 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
         import torch_xla.core.xla_model as xm
 
         return list(xm.mesh_reduce(tag, values, lambda rows: [max(col) for col in zip(*rows)]))
-    if "gloo" in backend:
-        device = torch.device("cpu")
-    elif "nccl" in backend:
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        raise RuntimeError(f"world_max: no host vote for process-group backend {backend!r} (gloo, nccl, xla)")
+    from nxd_lc.runtime.accel import HOST, current_device
+
+    # gloo reduces host tensors; an accelerator backend (nccl, neuron, ...) the current accelerator device's
+    device = HOST if "gloo" in backend else current_device()
+    if "gloo" not in backend and device == HOST:
+        raise RuntimeError(f"world_max: process-group backend {backend!r} but no accelerator device is current")
     t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.tolist()]

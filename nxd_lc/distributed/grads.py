@@ -31,6 +31,7 @@ from torch import nn
 
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.collectives import ProcessGroup
+from nxd_lc.runtime.accel import HOST
 
 #: MiB per flattened all-reduce bucket unless the caller says otherwise (the DP reduction takes
 #: ``bucket_size_collectives`` from the config, :func:`nxd_lc.config.validate.gradient_bucket_size_mb`).
@@ -148,7 +149,7 @@ def _global_norm(
     norm_type = float(norm_type)
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
-    device = pairs[0][1].device if pairs else torch.device("cpu")
+    device = pairs[0][1].device if pairs else HOST
     parts = [t for p, x in pairs for t in _norm_parts(p, x) if t.numel() > 0]
     norms = [torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device) for t in parts]
     if math.isinf(norm_type):

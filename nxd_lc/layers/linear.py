@@ -38,6 +38,7 @@ from nxd_lc.distributed.mappings import (
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
 )
+from nxd_lc.runtime.accel import HOST, fork_accelerator_rng
 
 InitMethod = Callable[[torch.Tensor], object]
 
@@ -130,7 +131,7 @@ def init_parameter(
     rank = parallel_state.get_tensor_model_parallel_rank()
     world = parallel_state.get_tensor_model_parallel_world_size()
     if use_cpu_initialization or partition_dim is None:
-        master = torch.empty(full_shape, dtype=torch.float32, device="cpu")
+        master = torch.empty(full_shape, dtype=torch.float32, device=HOST)  # same values on every device
         init_method(master)
         local = master if partition_dim is None else split_tensor_for_rank(master, partition_dim, rank, world, stride)
         data = local.to(device=device, dtype=dtype)
@@ -143,8 +144,7 @@ def init_parameter(
             )
         local_shape[partition_dim] //= world
         seed = int(torch.randint(0, 2**31 - 1, (1,)).item()) + 2718 * (rank + 1)
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.random.fork_rng(devices=cuda):
+        with fork_accelerator_rng():
             torch.manual_seed(seed)
             data = torch.empty(local_shape, dtype=dtype, device=device)
             init_method(data)

@@ -74,6 +74,7 @@ from nxd_lc.layers.linear import (
     shard_full_parameter,
 )
 from nxd_lc.layers.qkv import GQAQKVColumnParallelLinear
+from nxd_lc.runtime.xla import is_xla_tensor
 
 __all__ = [
     "LORA_CLASSES",
@@ -114,7 +115,7 @@ def lora_dropout(x: torch.Tensor, p: float, training: bool, sharded: bool) -> to
     if p == 0.0 or not training:
         return x
     tp = parallel_state.get_tensor_model_parallel_world_size()
-    if not sharded or tp == 1 or x.device.type not in ("cpu", "cuda"):
+    if not sharded or tp == 1 or is_xla_tensor(x):  # no device generators on torch-xla's lazy tensors
         return F.dropout(x, p, training=True)
     seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
     gen = torch.Generator(device=x.device)

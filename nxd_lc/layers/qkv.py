@@ -31,6 +31,7 @@ from nxd_lc.distributed.mappings import (
     gather_from_sequence_parallel_region,
 )
 from nxd_lc.layers.linear import InitMethod, default_init_method, mark_parameter
+from nxd_lc.runtime.accel import fork_accelerator_rng
 
 
 def validate_gqa_sharding(num_attention_heads: int, num_key_value_heads: int, kv_replicator: int, tp: int) -> None:
@@ -139,8 +140,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
         # replicas of one KV head must start identical: seed by the KV head, not the TP rank
         kv_index = tp_rank // self.kv_replicator
         base = int(torch.randint(0, 2**31 - 1, (1,)).item())
-        cuda = list(range(torch.cuda.device_count())) if torch.cuda.is_available() else []
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with torch.no_grad(), fork_accelerator_rng():
             for name, param in self._local_params().items():
                 seed_rank = kv_index if name in ("k", "v") and self.kv_replicator > 1 else tp_rank
                 torch.manual_seed(base + 7919 * (1 + seed_rank) + {"q": 0, "k": 1, "v": 2}[name])

@@ -31,7 +31,8 @@ def gradient_accumulation_steps(cfg: NxdConfig) -> int:
 
 def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     """``accelerator`` / ``strategy`` / precision arguments: NxD strategy on CPU/CUDA, its XLA variant with the
-    XLA accelerator and precision plugin on xla/neuron (:mod:`nxd_lc.lightning.xla`)."""
+    XLA accelerator and precision plugin on xla / torch-xla based neuron (:mod:`nxd_lc.lightning.xla`), the NxD
+    strategy with :class:`~nxd_lc.lightning.native.NxDDeviceAccelerator` on the native neuron device."""
     em = cfg.exp_manager
     ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                 use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
@@ -45,6 +46,15 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
         return dict(accelerator=NxDXLAAccelerator(), strategy=NxDXLAStrategy(**ckpt),
                     plugins=[NxDXLAPrecision(autocast=autocast)])
     strategy = NxDStrategy(**ckpt, process_group_backend=runtime.backend)
+    if runtime.accelerator == "neuron_native":  # TorchNeuron's eager PrivateUse1 device: Lightning has no accelerator
+        from pytorch_lightning.plugins.precision import MixedPrecision
+
+        from nxd_lc.lightning.native import NxDDeviceAccelerator
+
+        out: dict[str, Any] = dict(accelerator=NxDDeviceAccelerator(), strategy=strategy)
+        if autocast:  # torch.autocast on the device's own type ('neuron')
+            return dict(out, plugins=[MixedPrecision("bf16-mixed", device=runtime.device.type)])
+        return dict(out, precision="32-true")
     # precision.type autocast: Lightning's bf16 autocast plugin; bf16 parameters are the module's (precision policy)
     return dict(accelerator=runtime.accelerator, strategy=strategy, precision="bf16-mixed" if autocast else "32-true")
 

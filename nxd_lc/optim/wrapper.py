@@ -42,6 +42,7 @@ from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.precision.policy import PrecisionPolicy
 from nxd_lc.precision.stochastic_rounding import stochastic_round_to_bf16
+from nxd_lc.runtime.accel import HOST
 
 ParamGroup = dict[str, Any]
 _STEP_BUCKET_BYTES = 64 * 1024 * 1024  # fp32 working data stepped (and all-gathered) at once
@@ -114,8 +115,8 @@ class NxDOptimizer(torch.optim.Optimizer):
             works = [self._make_slot(p).work for p in g["params"]]
             inner_groups.append({**g, "params": works})
         self.inner = build_inner(inner_groups)
-        device = self.slots[0].param.device if self.slots else torch.device("cpu")
-        self._generator = torch.Generator(device=device.type if device.type != "xla" else "cpu")
+        device = self.slots[0].param.device if self.slots else HOST
+        self._generator = torch.Generator(device=device.type if device.type != "xla" else HOST.type)
         self._generator.manual_seed(int(seed) + 7919 * self._rank)
         super().__init__([s.work for s in self.slots], dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups

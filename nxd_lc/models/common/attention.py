@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_lc.distributed import parallel_state
+from nxd_lc.runtime.accel import HOST
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +89,7 @@ def document_lengths(segment_ids: torch.Tensor) -> list[list[int]]:
     """
     if segment_ids.dim() != 2:
         raise ValueError(f"segment_ids must be [B, S], got shape {tuple(segment_ids.shape)}")
-    seg = segment_ids.detach().to("cpu", torch.int64)
+    seg = segment_ids.detach().to(HOST, torch.int64)  # host read (a graph break under torch.compile)
     if seg.shape[1] > 1:
         bad = (seg[:, 1:] < seg[:, :-1]).nonzero()
         if bad.numel():

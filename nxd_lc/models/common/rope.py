@@ -39,6 +39,7 @@ import torch
 from torch import nn
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.runtime.accel import HOST
 
 __all__ = [
     "LENGTH_DEPENDENT_ROPE_TYPES",
@@ -227,7 +228,7 @@ class RopeSpec:
 
 def _exponents(spec: RopeSpec) -> torch.Tensor:
     """``arange(0, D, 2) / D`` as fp32 [D/2] on CPU (the RoFormer exponent ``2i / D``)."""
-    return torch.arange(0, spec.head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / spec.head_dim
+    return torch.arange(0, spec.head_dim, 2, dtype=torch.int64, device=HOST).to(torch.float32) / spec.head_dim
 
 
 def _base_inv_freq(spec: RopeSpec, theta: float | None = None) -> torch.Tensor:
@@ -306,7 +307,7 @@ def _yarn_inv_freq(spec: RopeSpec, seq_len: int | None = None) -> tuple[torch.Te
     low, high = _yarn_correction_range(spec, orig)
     if low == high:
         high += 0.001  # avoid a zero-width ramp (as HF)
-    ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32, device="cpu") - low) / (high - low)).clamp(0, 1)
+    ramp = ((torch.arange(spec.head_dim // 2, dtype=torch.float32, device=HOST) - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # weight of the unscaled (extrapolated) frequency
     return interpolation * (1 - keep) + extrapolation * keep, _yarn_attention_factor(spec, factor)
 
@@ -347,7 +348,7 @@ def _longrope_inv_freq(spec: RopeSpec, seq_len: int | None = None) -> tuple[torc
     if scaling is None:
         scaling = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
     use_long = bool(seq_len) and seq_len > orig
-    ext = torch.tensor(spec.require("long_factor" if use_long else "short_factor"), dtype=torch.float32, device="cpu")
+    ext = torch.tensor(spec.require("long_factor" if use_long else "short_factor"), dtype=torch.float32, device=HOST)
     return 1.0 / (ext * spec.rope_theta ** _exponents(spec)), float(scaling)
 
 
@@ -513,7 +514,7 @@ class RotaryEmbedding(nn.Module):
 
     def _set_frequencies(self, name: str, value: torch.Tensor) -> None:
         """Store the fp32 CPU master of buffer ``name`` and (re)place the buffer on its current device."""
-        master = value.detach().to(device="cpu", dtype=torch.float32)
+        master = value.detach().to(device=HOST, dtype=torch.float32)
         self._masters[name] = master
         if name in self._buffers:
             setattr(self, name, master.to(self._buffers[name].device))

@@ -41,6 +41,7 @@ from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.gather import gather_pipeline_stages
 from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
 from nxd_lc.models.llama.model import LlamaForCausalLM
+from nxd_lc.runtime.accel import HOST
 
 __all__ = ["FullTensors", "SafetensorsCheckpoint", "export_hf_state_dict", "load_hf_weights", "merge_tp_shards",
            "save_hf_weights", "shard_full_tensors"]
@@ -101,7 +102,7 @@ class SafetensorsCheckpoint:
             raise ValueError(f"tensor {name!r} is missing from the HF checkpoint {self.path}")
         file = self.weight_map[name]
         if file not in self._handles:
-            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device="cpu"))
+            self._handles[file] = self._stack.enter_context(safe_open(str(file), framework="pt", device=HOST.type))
         return self._handles[file].get_slice(name)
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -125,7 +126,7 @@ class SafetensorsCheckpoint:
 
 
 def _keys(file: Path) -> list[str]:
-    with safe_open(str(file), framework="pt", device="cpu") as f:
+    with safe_open(str(file), framework="pt", device=HOST.type) as f:
         return list(f.keys())
 
 
@@ -368,7 +369,7 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
         tensors = _export_entry(e, model)
         if keep:
             for name, t in zip(e.hf_names, tensors):
-                out[name] = t.to(device="cpu", dtype=dtype or t.dtype, copy=True).contiguous()
+                out[name] = t.to(device=HOST, dtype=dtype or t.dtype, copy=True).contiguous()
     return gather_pipeline_stages(out, rank0_only)
 
 
