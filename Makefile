@@ -2,8 +2,8 @@
 #   make demo       - create/reuse .venv, install nxd_lc, run the CPU demo (TP=2 + sequence parallel, 2 processes)
 #   make test       - the CI lanes in TEST_LANES (each creates/reuses its venv and installs itself)
 #   make test-fast  - lane 1 only: .venv (torch 2.13 CPU, constraints.txt), the whole suite
-#   make test-xla   - lane 2 only: .venv-xla (torch 2.9 + torch-xla 2.9, constraints-xla.txt), the suite again
-#                     (less the lane1_only torchrun acceptance runs) plus the XLA tests, under PJRT_DEVICE=CPU
+#   make test-xla   - lane 2 only: .venv-xla (torch 2.9 + torch-xla 2.9, constraints-xla.txt): the XLA tests plus
+#                     the `compat` subset (every nxd_lc module exercised under torch 2.9), under PJRT_DEVICE=CPU
 VENV    ?= .venv
 PYTHON  ?= python3
 PY      := $(VENV)/bin/python
@@ -60,7 +60,7 @@ test-slurm: install-dev
 	examples/slurm/requeue_test.sh
 
 test-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 -m "not lane1_only" tests
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 -m "(xla or compat) and not lane1_only" tests
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py

@@ -38,6 +38,8 @@ from nxd_lc.data.alignment_packing import (
 )
 from nxd_lc.models.llama import LlamaForCausalLM
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 # SmolLM2-style ChatML: a default system turn when the conversation has none.
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
           "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"

@@ -50,6 +50,7 @@ def _reference_grad() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return sums.detach(), counts, leaf.grad.double()
 
 
+@pytest.mark.compat
 def test_single_process_matches_log_softmax_and_gradients() -> None:
     logits, labels, ref = _inputs()
     leaf = logits.clone().requires_grad_()
@@ -142,6 +143,7 @@ def test_tp2_log_probs_and_gradients_match_single_process() -> None:
     run_distributed(_tp_worker, 2)
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_cp2_ring_and_ulysses_log_probs_and_gradients_match_single_process() -> None:
     run_distributed(_cp_worker, 2)

@@ -15,6 +15,8 @@ from nxd_lc.alignment import (
     uses_length_normalised_log_probs,
 )
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def _log_sigmoid(x: float) -> float:
     return -math.log1p(math.exp(-x)) if x >= 0 else x - math.log1p(math.exp(x))

@@ -18,6 +18,8 @@ from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.config.validate import load_config, seq_length
 from nxd_lc.train import build_model
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def _yarn_cfg(seq: int):
     register_resolvers()

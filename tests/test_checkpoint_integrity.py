@@ -18,6 +18,8 @@ from nxd_lc.config.validate import ConfigError
 from nxd_lc.lightning import exp_manager
 from tests.dist_utils import run_distributed
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def _cfg(**exp: object) -> NxdConfig:
     base = OmegaConf.structured(NxdConfig)

@@ -16,6 +16,8 @@ from nxd_lc.distributed import grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.models.llama.model import LlamaForCausalLM, causal_lm_loss
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def _config() -> LlamaConfig:
     return LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -24,6 +24,8 @@ from nxd_lc.config.validate import (
     unsupported_features,
 )
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"
 TINY_JSON = str(CONF_DIR / "tiny_llama_config.json")  # 8 heads, 4 KV heads, hidden 256

@@ -13,6 +13,8 @@ import pytest
 
 from nxd_lc.config.validate import ConfigError, load_config
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")  # 8 heads, 4 KV heads, 4096 positions
 

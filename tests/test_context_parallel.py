@@ -121,6 +121,7 @@ def test_ulysses_kv_replication_and_head_error() -> None:
         ulysses_kv_replication(6, 2, 4)
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("with_segments", [False, True])
 def test_ring_kernel_single_rank_tiles(with_segments: bool) -> None:
     """CP size 1: the tiled fp32 kernel alone (tile 3 over S=16: partial and skipped tiles) vs full attention."""
@@ -268,6 +269,7 @@ def _worker(rank: int, world: int, cases: list[dict], tp: int, algos: list[str],
     _e2e_checks(tp, algos, config, ref)
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_cp2_attention_and_llama_step_match_single_process() -> None:
     """CP=2 (2 processes): ring and Ulysses attention vs full attention; a Llama step with each vs one process."""

@@ -112,6 +112,7 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_tp2_checkpoint_converts_to_hf_with_equal_logits(converted: Path) -> None:
     hf = converted / "hf"
@@ -142,6 +143,7 @@ def test_boolean_flags_parse_strictly() -> None:
         parse([*base, "--overwrite", "maybe"])
 
 
+@pytest.mark.compat
 def test_cli_reports_bad_checkpoints_before_starting(converted: Path, capsys: pytest.CaptureFixture) -> None:
     conf, ckpt = str(converted / "conf"), converted / "ckpt"
 
@@ -236,6 +238,7 @@ def _direct(model: LlamaForCausalLM, batches: list[dict], edges: list[int]) -> d
     return {f"[{lo}, {hi})": (s / n, n) for lo, hi, s, n in zip(edges, edges[1:], sums, counts)}
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("edges", [[0, 4, 10, 24], [2, 6, 12]])
 def test_loss_by_position_matches_direct_computation(edges: list[int]) -> None:
     model, batches = _tiny_model(), _packed_batches()
@@ -253,6 +256,7 @@ def test_loss_by_position_matches_direct_computation(edges: list[int]) -> None:
     assert table.splitlines()[0] == "tiny" and all(label in table for label in expected)
 
 
+@pytest.mark.compat
 def test_bucket_sums_and_edges() -> None:
     loss = torch.tensor([[1.0, 2.0, 3.0, 4.0]])
     labels = torch.tensor([[1, -100, 1, 1]])
@@ -278,6 +282,7 @@ def _cp_eval(rank: int, out: str) -> None:
         Path(out).write_text(json.dumps(result))
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_loss_by_position_under_context_parallelism(converted: Path) -> None:
     got = json.loads((converted / "cp.json").read_text())
@@ -288,6 +293,7 @@ def test_loss_by_position_under_context_parallelism(converted: Path) -> None:
         assert got["buckets"][label]["loss"] == pytest.approx(r["loss"], rel=1e-5)
 
 
+@pytest.mark.compat
 def test_yarn_continuation_config_is_valid() -> None:
     from nxd_lc.models.common.rope import rope_spec_from_config
     from nxd_lc.models.llama.model import build_llama_config
@@ -303,6 +309,7 @@ def test_yarn_continuation_config_is_valid() -> None:
     assert spec.rope_type == "yarn" and hf.rope_scaling["factor"] == 4
 
 
+@pytest.mark.compat
 def test_tp1_yarn_checkpoint_converts_in_process(tmp_path: Path) -> None:
     """TP=1 needs no process group; the YaRN rope_scaling of hf_config_overrides reaches config.json and
     transformers' YaRN gives our logits (positions 0..15 run past original_max_position_embeddings 8)."""

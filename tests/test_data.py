@@ -18,6 +18,8 @@ from nxd_lc.data import corpus, packing, sources, tokenizer
 from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.sampler import PretrainingSampler
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 
 

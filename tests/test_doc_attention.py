@@ -28,6 +28,8 @@ from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_s
 from nxd_lc.models.common.attention import core_attention, document_lengths
 from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 EOS, VOCAB, S = 0, 96, 16
 ATOL = 1e-5
 

@@ -25,6 +25,7 @@ def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(args, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
+@pytest.mark.compat
 def test_dry_run_validates_nxdt_8b_config() -> None:
     out = _run([sys.executable, "train.py", "--config-name", "hf_llama3_8B_config", "+dry_run=true"])
     assert out.returncode == 0, out.stderr
@@ -106,6 +107,7 @@ def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     assert tags == ["cpu_tiny_llama--step=4-consumed_samples=16.0", "cpu_tiny_llama--step=6-consumed_samples=24.0"]
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_context_parallel_with_memory_techniques(tmp_path) -> None:

@@ -14,6 +14,8 @@ from nxd_lc.config.validate import ConfigError
 from nxd_lc.lightning import exp_manager
 from nxd_lc.runtime.env import apply_env, format_env_table
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def _cfg(**exp: object) -> NxdConfig:
     base = OmegaConf.structured(NxdConfig)

@@ -23,6 +23,8 @@ from nxd_lc.layers import (
     shard_full_parameter,
 )
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 H = 8
 
 

@@ -23,6 +23,8 @@ from nxd_lc.models.llama import (
     save_hf_weights,
 )
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 CONF = Path(__file__).resolve().parents[1] / "conf"
 
 

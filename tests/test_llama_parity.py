@@ -86,6 +86,7 @@ def _our_grads_tp1(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
     }
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("flash_attention", [True, False])
 def test_tp1_logits_and_grads_match_hf(setup: dict, flash_attention: bool) -> None:
     config = build_llama_config(str(Path(setup["ckpt"]) / "config.json"))
@@ -103,6 +104,7 @@ def test_tp1_logits_and_grads_match_hf(setup: dict, flash_attention: bool) -> No
         torch.testing.assert_close(ours[name], setup["grads"][name], atol=ATOL, rtol=0, msg=name)
 
 
+@pytest.mark.compat
 def test_position_ids_shift_invariance_and_attention_paths() -> None:
     """Explicit position_ids equal the default; eager and SDPA core attention agree with GQA."""
     torch.manual_seed(1)
@@ -195,6 +197,7 @@ def _parity_worker(rank: int, world: int, setup: dict, kv_replicator: int, varia
         _check_sharded_grads(model, setup["grads"])
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_tp2_sequence_parallel_parity(setup: dict) -> None:
     variants = [

@@ -32,6 +32,8 @@ from nxd_lc.layers.lora import (
 from nxd_lc.models.common.checkpointing import apply_activation_checkpointing
 from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 VOCAB, B, S, STEPS, LR = 64, 2, 8, 3, 0.1
 ALL = list(LORA_TARGET_MODULES)
 close = torch.testing.assert_close

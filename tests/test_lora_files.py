@@ -23,6 +23,8 @@ from nxd_lc.models.llama.model import LlamaForCausalLM
 from nxd_lc.runtime.device import RuntimeInfo
 from nxd_lc.train import build_model
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")
 LORA = {"lora_rank": 4, "lora_alpha": 8, "target_modules": ["qkv_proj", "down_proj"], "save_lora_base": False}

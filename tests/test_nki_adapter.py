@@ -16,6 +16,8 @@ import torch.nn.functional as F
 
 from nxd_lc.models.common.nki import NkiKernels, flash_attention, load_nki_kernels, nki_flash_attention, resolve_lnc
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 S = 2048  # the smallest sequence the kernel takes
 
 

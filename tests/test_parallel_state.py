@@ -8,6 +8,8 @@ from dist_utils import run_distributed
 
 from nxd_lc.distributed import collectives, parallel_state
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 
 def test_rank_layout_tp2_cp2() -> None:
     layout = parallel_state.rank_layout(4, tensor_model_parallel_size=2, context_parallel_size=2)

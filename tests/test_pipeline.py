@@ -118,6 +118,7 @@ def hf_ckpt(request, tmp_path_factory) -> tuple[str, dict]:
     return str(path), {"loss": loss, "grads": grads, "eval_first": first}
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp,virtual,world", [(1, 1, 2), (1, 2, 2)], ids=["pp2", "pp2_vpp2"])
 def test_pipeline_matches_transformers(hf_ckpt, tp: int, virtual: int, world: int) -> None:

@@ -175,6 +175,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
     return str(root / "initial"), str(root / "policy")
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 @pytest.mark.parametrize("algorithm", ["dpo", "orpo"])
 def test_preference_pp2_matches_transformers(checkpoints: tuple[str, str], tmp_path: Path, algorithm: str) -> None:

@@ -9,6 +9,8 @@ import pytest
 
 from nxd_lc.config.validate import ConfigError, load_config, unsupported_features
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 REPO = Path(__file__).resolve().parents[1]
 TINY_JSON = str(REPO / "conf" / "tiny_llama_config.json")  # 4 layers
 

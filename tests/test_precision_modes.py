@@ -77,6 +77,7 @@ MODES = [
 ]
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("mode,optim,manual,param_dt,compute_dt,grad_dt,master_dt,state_dt", MODES)
 def test_each_mode_trains_with_documented_dtypes(mode: str, optim: str, manual: dict, param_dt: torch.dtype,
                                                  compute_dt: torch.dtype, grad_dt: torch.dtype,
@@ -112,6 +113,7 @@ def test_each_mode_trains_with_documented_dtypes(mode: str, optim: str, manual: 
     assert module._grad_norm is not None and torch.isfinite(module._grad_norm)
 
 
+@pytest.mark.compat
 def test_mixed_precision_master_weights_track_fp32_exactly() -> None:
     """bf16 params + fp32 masters: the masters follow the fp32 optimizer bit for bit on the same gradients, and
     the bf16 parameter is the master rounded to nearest."""
@@ -144,6 +146,7 @@ def _tiny_update_run(mode: str, sr: str, steps: int) -> torch.Tensor:
     return p.detach().float()
 
 
+@pytest.mark.compat
 def test_stochastic_rounding_in_the_optimizer_step_does_not_stall() -> None:
     """bf16SR: 2,000 updates of -1e-4 move bf16 ones to 0.8 on average (the fp32 result); round-to-nearest
     (manual bf16 without stochastic rounding) never moves."""

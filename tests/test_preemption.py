@@ -10,12 +10,14 @@ import pytest
 from nxd_lc.lightning.preemption import PreemptionCallback, signal_numbers
 
 
+@pytest.mark.compat
 def test_signal_names_are_checked() -> None:
     assert signal_numbers(["SIGTERM", "SIGUSR1"]) == [signal.SIGTERM, signal.SIGUSR1]
     with pytest.raises(ValueError, match=r"exp_manager.preemption_signals: \['SIGKILL'\] not allowed"):
         signal_numbers(["SIGKILL"])
 
 
+@pytest.mark.compat
 def test_handlers_only_set_a_flag_and_are_restored() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     cb = PreemptionCallback(["SIGTERM", "SIGUSR1", "SIGINT"])
@@ -34,6 +36,7 @@ def test_handlers_only_set_a_flag_and_are_restored() -> None:
     assert {s: signal.getsignal(s) for s in before} == before
 
 
+@pytest.mark.compat
 def test_parent_death_is_a_changed_ppid() -> None:
     cb = PreemptionCallback([])
     assert not cb.parent_died()

@@ -80,6 +80,7 @@ def _check(out: subprocess.CompletedProcess, killed: bool, resumed_from: int | N
     assert (int(m.group(1)) if m else None) == resumed_from, text[-3000:]
 
 
+@pytest.mark.compat
 def test_startup_deletes_only_provably_unfinished_nxd_lc_saves(tmp_path: Any, caplog: Any) -> None:
     """A visible directory without ``done`` is deleted at start only when it is an unfinished nxd_lc save; a
     done-less directory in NxD's layout (it may be a complete NxD checkpoint without markers) is kept, with a
@@ -150,6 +151,7 @@ def test_save_top_k_holds_across_crashes_restarts_and_a_moved_run_dir(tmp_path: 
     assert logged == [[1, 2, 3], [], [4, 5, 6], [7, 8]]
 
 
+@pytest.mark.compat
 def test_async_save_publishes_only_after_its_step_is_logged(tmp_path: Any, data: tuple[str, str]) -> None:
     """With asynchronous saves checkpoint 2 is published at a later step boundary; a kill right after that
     publication must still find steps 1 and 2 in the event file."""

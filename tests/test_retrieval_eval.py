@@ -45,6 +45,7 @@ def hay(tok: PreTrainedTokenizerFast) -> list[int]:
     return tok.encode(open(os.path.join(root, "calendar.py")).read())
 
 
+@pytest.mark.compat
 @pytest.mark.parametrize("task", retrieval.TASKS)
 def test_needle_placement_is_exact_at_every_depth(tok: Any, hay: list[int], task: str) -> None:
     enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
@@ -138,6 +139,7 @@ class _Scripted:
         return logits
 
 
+@pytest.mark.compat
 def test_scoring_hand_checked(tok: Any, hay: list[int]) -> None:
     vocab = len(tok)
     s = build_sample("passkey", tok, hay, 200, 0.5, seed=0)
@@ -208,6 +210,7 @@ def test_perfect_copier_scores_one_and_random_model_near_chance(tok: Any, hay: l
     assert res["tasks"][task]["effective_length"] == {"generate": 0, "rank": 0}
 
 
+@pytest.mark.compat
 def test_heatmap_png_and_loss_curve(tmp_path: Any) -> None:
     from nxd_lc.eval.plots import plot_loss_by_position, plot_retrieval_heatmaps
 
@@ -268,6 +271,7 @@ def _layout_worker(rank: int, world: int, hf_dir: str, tp: int, cp: int, expecte
     del tok
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 @pytest.mark.parametrize("tp,cp", [(2, 1), (1, 2)], ids=["tp2", "cp2"])
 def test_layouts_match_transformers(tmp_path: Any, tp: int, cp: int) -> None:
@@ -298,6 +302,7 @@ def _hf_greedy(hf: Any, prompt: list[int], n: int) -> list[int]:
     return ids[len(prompt):]
 
 
+@pytest.mark.compat
 def test_kv_cache_generation_and_ranking_match_transformers(tmp_path: Any) -> None:
     """One process: greedy decoding and candidate log-likelihoods with the KV cache (prompt once, one token or one
     candidate at a time, cache truncated between candidates) equal transformers' full forwards; the grid reports
@@ -429,6 +434,7 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     assert bad.returncode == 2 and "--depths: need numbers in [0, 1]" in bad.stderr
 
 
+@pytest.mark.compat
 def test_niah_sft_records_are_harness_prompts_with_their_answers(tok: Any, hay: list[int]) -> None:
     """examples/long_context/build_niah_sft.py: each record's input is the harness prompt of its task (tokens
     round-trip to the sampled length), its output the answer after it as the harness scores generations, and the

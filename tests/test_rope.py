@@ -25,6 +25,8 @@ from nxd_lc.models.common.rope import (
     warn_if_rope_scaling_is_noop,
 )
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 # transformers, OmegaConf and the model are imported inside the tests: the spawned CP workers import this
 # module and need only torch + rope.py (importing transformers costs seconds per process on 2 cores).
 CONF = Path(__file__).resolve().parents[1] / "conf"

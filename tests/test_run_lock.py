@@ -14,6 +14,8 @@ import pytest
 from nxd_lc.config.validate import ConfigError
 from nxd_lc.lightning.run_lock import LOCK_FILE, RunLock
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 

@@ -59,6 +59,7 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
 
 
+@pytest.mark.compat
 def test_prepare_is_cached_and_config_is_smollm2(smol_dir: Path) -> None:
     marker = json.loads((smol_dir / gguf_import.MARKER_FILE).read_text())
     mtime = (smol_dir / "model.safetensors").stat().st_mtime_ns
@@ -78,6 +79,7 @@ def test_prepare_is_cached_and_config_is_smollm2(smol_dir: Path) -> None:
     assert len(state) == 2 + 9 * NUM_LAYERS
 
 
+@pytest.mark.compat
 def test_weights_equal_transformers_gguf_reader(smol_dir: Path) -> None:
     """An independent reading of the same GGUF tensors: transformers' GGUF name map and llama tensor
     processor (its q/k unpermute), on the first NUM_LAYERS layers only (internal API: skipped if renamed)."""
@@ -106,6 +108,7 @@ def test_weights_equal_transformers_gguf_reader(smol_dir: Path) -> None:
     assert seen == set(ours)
 
 
+@pytest.mark.compat
 def test_tp1_logits_equal_transformers(smol_dir: Path, prompt_ids: torch.Tensor) -> None:
     from transformers import LlamaForCausalLM as HFLlama
 
@@ -173,6 +176,7 @@ def test_tp3_logits_equal_tp1(smol_dir: Path, prompt_ids: torch.Tensor) -> None:
     run_distributed(_tp3_worker, 3, str(smol_dir), ids, ref_logits, loss_sum / count)
 
 
+@pytest.mark.compat
 def test_tokenizer_roundtrip_and_chat_template(smol_dir: Path) -> None:
     from transformers import AutoTokenizer
 

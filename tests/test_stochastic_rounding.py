@@ -9,6 +9,8 @@ import torch
 
 from nxd_lc.precision import sr_add_, stochastic_round_to_bf16
 
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
 

@@ -37,6 +37,7 @@ import sysconfig
 import pytest
 
 pytest.importorskip("torch_xla")
+pytestmark = pytest.mark.xla  # lane 2 (make test-xla); the whole module needs torch-xla
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_STEPS = 20

@@ -117,6 +117,7 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
         plain_opt.load_state_dict(optim_state)
 
 
+@pytest.mark.compat
 @pytest.mark.distributed
 def test_zero1_checkpoint_has_one_optim_shard_per_dp_rank_and_resumes(tmp_path) -> None:
     run_distributed(_resume_worker, 2, str(tmp_path))
