@@ -337,13 +337,19 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
 
 
 def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
-    """:func:`build_model` and the move to the device, in waves of ``trainer.sequential_move_factor`` ranks per
+    """:func:`build_model`, the move to the device and ``model.compile`` (:mod:`nxd_lc.models.common.compile`), in
+    waves of ``trainer.sequential_move_factor`` ranks per
     node (:mod:`nxd_lc.runtime.startup`)."""
     from nxd_lc.runtime.startup import run_in_waves
 
     def build() -> tuple[Any, Any]:
         hf_config, model = build_model(cfg)
-        return hf_config, model.to(runtime.device)
+        model = model.to(runtime.device)
+        if cfg.model.compile:  # regional torch.compile of each decoder layer (training only; eval stays eager)
+            from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers
+
+            compile_decoder_layers(model, compile_backend(runtime.accelerator))
+        return hf_config, model
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.devices))
     return run_in_waves(build, cfg.trainer.sequential_move_factor, runtime.local_rank, local_world)

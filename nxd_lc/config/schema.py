@@ -230,6 +230,7 @@ class ModelConfig:
     hf_config_overrides: Optional[Dict[str, Any]] = None  # merged over config.json (e.g. rope_scaling: {...})
     tiled_loss_chunk_size: Optional[int] = None  # tokens per chunk of the tiled vocab-parallel CE (None: untiled)
     tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
+    compile: bool = False  # regional torch.compile of each decoder layer (fullgraph; inductor, or neuron natively)
     weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective

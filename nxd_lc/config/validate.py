@@ -836,7 +836,25 @@ def _pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     layers = cfg.model.num_layers if cfg.model.num_layers not in (None, -1) else (hf or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         p += split_problems(layers, pp, vpp, cfg.model.pipeline_cuts)
-    return p + _pipeline_dpo_reference_problems(cfg) + _pipeline_on_xla_problems(cfg, cfg.trainer.accelerator)
+    return p + _pipeline_dpo_reference_problems(cfg) + _pipeline_on_xla_problems(cfg, cfg.trainer.accelerator) \
+        + _compile_on_xla_problems(cfg)
+
+
+def _compile_on_xla_problems(cfg: NxdConfig) -> list[str]:
+    """``model.compile`` is torch.compile of eager devices (CPU, CUDA, TorchNeuron's native device); torch-xla
+    records and compiles lazy graphs itself (:mod:`nxd_lc.models.common.compile`). LoRA adapters have not been
+    traced and checked: refused until they are."""
+    if not cfg.model.compile:
+        return []
+    p = []
+    if peft_config(cfg) is not None:
+        p.append("model.compile: not supported yet with model_alignment_strategy.peft (LoRA adapters are not "
+                 "checked under torch.compile); set model.compile: false")
+    acc = cfg.trainer.accelerator
+    if acc not in ("xla", "neuron") or not _lazy_neuron_or_xla(acc):
+        return p
+    return p + [f"model.compile: not available on trainer.accelerator {acc} (torch-xla compiles its lazy graphs "
+            "itself); set model.compile: false, or use the native neuron device (torch-neuronx >= 2.10)"]
 
 
 def _pipeline_dpo_reference_problems(cfg: NxdConfig) -> list[str]:

@@ -30,10 +30,12 @@ Memory is O(L): scores exist only per tile (``[B, Hq, T, T]`` fp32, ``T = tile_s
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
+from torch.compiler import is_compiling
 
 from nxd_lc.context.sharding import local_chunk_ranges
 from nxd_lc.distributed import collectives, parallel_state
@@ -213,65 +215,135 @@ def _ungrouped(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return x.transpose(2, 3).reshape(b, hkv * g, n, d).to(dtype)
 
 
+def _ring_group(over_cp: bool) -> collectives.ProcessGroup | None:
+    """The CP group, or None (this rank alone: the tiled kernel as local document-masked attention)."""
+    return parallel_state.get_context_parallel_group() if over_cp else None
+
+
+def _ring_blocks(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group: collectives.ProcessGroup | None,
+                 seq_len: int, tile: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[_Tile], _Segments | None]]:
+    """``(k fp32, v fp32, key tiles, key segments)`` of every CP rank's block, this rank's first, then the previous
+    rank's, ...: the next block is already in flight (``ring_exchange``) while the caller works on one."""
+    cp, rank = collectives.group_size(group), collectives.group_rank(group)
+    block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
+    for step in range(cp):
+        pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
+        k_tiles = _tiles(seq_len, (rank - step) % cp, cp, tile)
+        yield block[0], block[1], k_tiles, _segments(block[2] if seg is not None else None, k_tiles)
+        if pending is not None:
+            block = pending.wait()
+
+
+def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, scale: float,
+                  tile: int, over_cp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Ring forward: ``(out [B, Hq, L, D] in q's dtype, lse [B, Hkv, L, G] fp32)`` (module docstring)."""
+    group = _ring_group(over_cp)
+    cp, rank = collectives.group_size(group), collectives.group_rank(group)
+    hkv, seq_len = k.shape[1], q.shape[2] * cp
+    q_tiles = _tiles(seq_len, rank, cp, tile)
+    qf = _grouped(q, hkv)
+    out = torch.zeros_like(qf)
+    lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    seg_q = _segments(seg, q_tiles)
+    for k_block, v_block, k_tiles, seg_k in _ring_blocks(k, v, seg, group, seq_len, tile):
+        _block_forward(qf, k_block, v_block, q_tiles, k_tiles, seg_q, seg_k, out, lse, scale)
+    return _ungrouped(out, q.dtype), lse
+
+
+def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                   seg: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, scale: float,
+                   tile: int, over_cp: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Ring backward: ``(dq, dk, dv)`` in the dtypes of q, k, v (module docstring)."""
+    group = _ring_group(over_cp)
+    cp, rank = collectives.group_size(group), collectives.group_rank(group)
+    hkv, seq_len = k.shape[1], q.shape[2] * cp
+    q_tiles = _tiles(seq_len, rank, cp, tile)
+    qf, dof = _grouped(q, hkv), _grouped(grad_out, hkv)
+    delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, L, G]
+    dq = torch.zeros_like(qf)
+    incoming = None  # in-flight dK/dV accumulators of the block this rank handles next
+    seg_q = _segments(seg, q_tiles)
+    for k_block, v_block, k_tiles, seg_k in _ring_blocks(k, v, seg, group, seq_len, tile):
+        dk, dv = _block_backward(qf, k_block, v_block, dof, lse, delta, q_tiles, k_tiles, seg_q, seg_k, dq, scale)
+        if incoming is not None:
+            dk_in, dv_in = incoming.wait()
+            dk, dv = dk + dk_in, dv + dv_in
+        incoming = collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)  # last hop: back to the owner
+    dk, dv = incoming.wait()
+    return _ungrouped(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
-    """Autograd function: forward/backward of :func:`ring_attention` (see the module docstring)."""
+    """Autograd function (eager): forward/backward of :func:`ring_attention` (see the module docstring)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None,
-                scale: float, tile: int) -> torch.Tensor:
-        group = parallel_state.get_context_parallel_group()
-        cp, rank = collectives.group_size(group), collectives.group_rank(group)
-        hkv, seq_len = k.shape[1], q.shape[2] * cp
-        q_tiles = _tiles(seq_len, rank, cp, tile)
-        qf = _grouped(q, hkv)
-        out = torch.zeros_like(qf)
-        lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
-        block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
-        seg_q = _segments(seg, q_tiles)
-        for step in range(cp):
-            src = (rank - step) % cp
-            pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
-            k_tiles = _tiles(seq_len, src, cp, tile)
-            seg_k = _segments(block[2] if seg is not None else None, k_tiles)
-            _block_forward(qf, block[0], block[1], q_tiles, k_tiles, seg_q, seg_k, out, lse, scale)
-            if pending is not None:
-                block = pending.wait()
-        result = _ungrouped(out, q.dtype)
+                scale: float, tile: int, over_cp: bool) -> torch.Tensor:
+        result, lse = _ring_forward(q, k, v, seg, scale, tile, over_cp)
         ctx.save_for_backward(q, k, v, seg, result, lse)
-        ctx.scale, ctx.tile = scale, tile
+        ctx.scale, ctx.tile, ctx.over_cp = scale, tile, over_cp
         return result
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, seg, out, lse = ctx.saved_tensors
-        group = parallel_state.get_context_parallel_group()
-        cp, rank = collectives.group_size(group), collectives.group_rank(group)
-        hkv, seq_len = k.shape[1], q.shape[2] * cp
-        q_tiles = _tiles(seq_len, rank, cp, ctx.tile)
-        qf, dof = _grouped(q, hkv), _grouped(grad_out, hkv)
-        delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, L, G]
-        dq = torch.zeros_like(qf)
-        block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
-        incoming = None  # in-flight dK/dV accumulators of the block this rank handles next
-        seg_q = _segments(seg, q_tiles)
-        for step in range(cp):
-            src = (rank - step) % cp
-            pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
-            k_tiles = _tiles(seq_len, src, cp, ctx.tile)
-            seg_k = _segments(block[2] if seg is not None else None, k_tiles)
-            dk, dv = _block_backward(qf, block[0], block[1], dof, lse, delta, q_tiles, k_tiles, seg_q, seg_k, dq,
-                                     ctx.scale)
-            if incoming is not None:
-                dk_in, dv_in = incoming.wait()
-                dk, dv = dk + dk_in, dv + dv_in
-            incoming = collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)  # last hop: back to the owner
-            if pending is not None:
-                block = pending.wait()
-        dk, dv = incoming.wait()
-        return _ungrouped(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return (*_ring_backward(grad_out, q, k, v, seg, out, lse, ctx.scale, ctx.tile, ctx.over_cp),
+                None, None, None, None)
 
 
-def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, tile_size: int) -> None:
+# Under torch.compile the ring (point-to-point sends, host-side tile bounds) is one opaque custom op with its own
+# backward op (torch.library): the traced decoder layer has no graph break and reads nothing on the host.
+@torch.library.custom_op("nxd_lc::ring_attention_fwd", mutates_args=(),
+                         schema="(Tensor q, Tensor k, Tensor v, Tensor? seg, float scale, int tile, bool over_cp) "
+                                "-> (Tensor, Tensor)")
+def _ring_forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Optional[torch.Tensor], scale: float,
+                     tile: int, over_cp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    out, lse = _ring_forward(q, k, v, seg, scale, tile, over_cp)
+    return out.contiguous(), lse.contiguous()
+
+
+@_ring_forward_op.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Optional[torch.Tensor], scale: float,
+      tile: int, over_cp: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    b, hq, n, _ = q.shape
+    hkv = k.shape[1]
+    return q.new_empty(q.shape), q.new_empty((b, hkv, n, hq // hkv), dtype=torch.float32)  # contiguous
+
+
+@torch.library.custom_op("nxd_lc::ring_attention_bwd", mutates_args=(),
+                         schema="(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor? seg, Tensor out, Tensor lse, "
+                                "float scale, int tile, bool over_cp) -> (Tensor, Tensor, Tensor)")
+def _ring_backward_op(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      seg: Optional[torch.Tensor], out: torch.Tensor, lse: torch.Tensor, scale: float,
+                      tile: int, over_cp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    dq, dk, dv = _ring_backward(grad_out, q, k, v, seg, out, lse, scale, tile, over_cp)
+    return dq.contiguous(), dk.contiguous(), dv.contiguous()
+
+
+@_ring_backward_op.register_fake
+def _(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: Optional[torch.Tensor],
+      out: torch.Tensor, lse: torch.Tensor, scale: float, tile: int,
+      over_cp: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _ring_setup_context(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    q, k, v, seg, scale, tile, over_cp = inputs
+    ctx.save_for_backward(q, k, v, seg, output[0], output[1])
+    ctx.scale, ctx.tile, ctx.over_cp = scale, tile, over_cp
+
+
+def _ring_op_backward(ctx: Any, grad_out: torch.Tensor, grad_lse: Optional[torch.Tensor]) -> tuple[Any, ...]:
+    q, k, v, seg, out, lse = ctx.saved_tensors
+    dq, dk, dv = _ring_backward_op(grad_out.contiguous(), q, k, v, seg, out, lse, ctx.scale, ctx.tile, ctx.over_cp)
+    return dq, dk, dv, None, None, None, None
+
+
+_ring_forward_op.register_autograd(_ring_op_backward, setup_context=_ring_setup_context)
+
+
+def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, tile_size: int,
+           over_cp: bool = True) -> None:
     """Shape/argument checks of :func:`ring_attention` (ValueError naming the offending tensor)."""
     if q.dim() != 4 or k.dim() != 4 or k.shape != v.shape:
         raise ValueError(f"ring_attention expects q [B,Hq,L,D], k and v [B,Hkv,L,D]; got q {tuple(q.shape)}, "
@@ -279,7 +351,7 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor 
     if q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:] or q.shape[1] % k.shape[1]:
         raise ValueError(f"ring_attention: q {tuple(q.shape)} and k {tuple(k.shape)} must agree on B, L, D and "
                          f"the query heads must be a multiple of the KV heads")
-    cp = parallel_state.get_context_parallel_world_size()
+    cp = parallel_state.get_context_parallel_world_size() if over_cp else 1
     if cp > 1 and q.shape[2] % 2:
         raise ValueError(f"ring_attention: the local sequence ({q.shape[2]} tokens) must hold 2 equal chunks; "
                          f"set data.seq_length to a multiple of 2 x context_parallel_size = {2 * cp}")
@@ -291,7 +363,8 @@ def _check(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor 
 
 
 def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment_ids: torch.Tensor | None = None,
-                   scale: float | None = None, tile_size: int = DEFAULT_TILE_SIZE) -> torch.Tensor:
+                   scale: float | None = None, tile_size: int = DEFAULT_TILE_SIZE,
+                   over_context_parallel: bool = True) -> torch.Tensor:
     """Causal (optionally document-masked) attention of this CP rank's queries over the whole sequence.
 
     Args:
@@ -300,6 +373,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
         segment_ids: ``[B, L]`` local packed-document ids (sharded like the tokens) or None (one document).
         scale: score scale, default ``1 / sqrt(D)``.
         tile_size: query/key tile length in tokens (peak score memory ``B * Hq * tile_size^2 * 4`` bytes).
+        over_context_parallel: False runs the same tiled kernel on this rank's q/k/v alone (no communication;
+            q/k/v then hold a whole sequence in order): the document-masked attention of a compiled layer.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype; equal to full causal attention over the unsharded sequence, restricted
@@ -309,6 +384,8 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, segment
     Raises:
         ValueError: inconsistent shapes, an odd local length under CP > 1, non-integer segment_ids, bad tile.
     """
-    _check(q, k, v, segment_ids, tile_size)
+    _check(q, k, v, segment_ids, tile_size, over_context_parallel)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    return _RingAttention.apply(q, k, v, segment_ids, scale, int(tile_size))
+    if is_compiling():  # one opaque custom op (forward + backward ops) in the traced graph
+        return _ring_forward_op(q, k, v, segment_ids, scale, int(tile_size), over_context_parallel)[0]
+    return _RingAttention.apply(q, k, v, segment_ids, scale, int(tile_size), over_context_parallel)

@@ -22,9 +22,11 @@ Conventions
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.compiler import is_compiling
 
 from nxd_lc import compat
 
@@ -103,6 +105,14 @@ def destroy_group(group: ProcessGroup) -> None:
         pass
 
 
+def _funcol() -> Any:
+    """``torch.distributed._functional_collectives``: the collectives used inside ``torch.compile``-traced code
+    (``model.compile``), where they become graph nodes; imported on first use."""
+    import torch.distributed._functional_collectives as funcol
+
+    return funcol
+
+
 def _backend(group: ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
@@ -122,6 +132,9 @@ def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum"
     size = group_size(group)
     if size == 1:
         return tensor
+    if is_compiling():  # traced: a functional collective, written back for the in-place contract
+        reduced = _funcol().all_reduce(tensor, "sum" if op == "avg" else op, group)
+        return tensor.copy_(reduced / size if op == "avg" else reduced)
     dist.all_reduce(tensor, op=_REDUCE_OPS["sum" if op == "avg" else op], group=group)
     if op == "avg":
         tensor.div_(size)
@@ -137,6 +150,9 @@ def all_gather(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -> to
     if size == 1:
         return tensor
     tensor = tensor.contiguous()
+    if is_compiling():  # traced: a functional collective (a graph node; no backend lookup in the graph)
+        gathered = _funcol().all_gather_tensor(tensor.movedim(dim, 0).contiguous(), 0, group)
+        return gathered.movedim(0, dim).contiguous()
     if _backend(group) in _TENSOR_COLLECTIVE_BACKENDS and dim % tensor.dim() == 0:
         out = tensor.new_empty((tensor.shape[0] * size, *tensor.shape[1:]))
         dist.all_gather_into_tensor(out, tensor, group=group)
@@ -164,6 +180,9 @@ def reduce_scatter(tensor: torch.Tensor, dim: int, group: ProcessGroup | None) -
             f"reduce_scatter: dim {dim} has size {tensor.shape[dim]}, not divisible by the group "
             f"size {size}; pad the sequence/feature dimension to a multiple of {size}"
         )
+    if is_compiling():  # traced: a functional collective (a graph node; no backend lookup in the graph)
+        scattered = _funcol().reduce_scatter_tensor(tensor.movedim(dim, 0).contiguous(), "sum", 0, group)
+        return scattered.movedim(0, dim).contiguous()
     rank = dist.get_rank(group)
     if _backend(group) in _TENSOR_COLLECTIVE_BACKENDS:
         moved = tensor.movedim(dim, 0).contiguous()
@@ -194,6 +213,11 @@ def all_to_all(
             f"all_to_all: dim {scatter_dim} has size {tensor.shape[scatter_dim]}, not divisible by "
             f"the group size {size}"
         )
+    if is_compiling():  # traced: a functional collective (a graph node, no in-place list exchange)
+        funcol = _funcol()
+        stacked = torch.stack(tensor.chunk(size, dim=scatter_dim))  # [size, *chunk]: row r goes to rank r
+        received = funcol.wait_tensor(funcol.all_to_all_single(stacked, None, None, group))  # row r from rank r
+        return torch.cat(received.unbind(0), dim=gather_dim)
     inputs = [c.contiguous() for c in tensor.chunk(size, dim=scatter_dim)]
     outputs = [torch.empty_like(c) for c in inputs]
     compat.all_to_all(outputs, inputs, group)  # gloo on torch 2.9 has no alltoall: compat falls back

@@ -41,6 +41,7 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.compiler import is_compiling
 
 from nxd_lc.distributed import parallel_state
 from nxd_lc.runtime.accel import HOST
@@ -209,6 +210,13 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         return _xla_flash(q, k, v, segment_ids, scale, causal)
     if segment_ids is None:
         return _sdpa(q, k, v, scale, causal)
+    if is_compiling() and causal:
+        # traced: the per-document split reads document lengths on the host and has data-dependent shapes; the
+        # tiled, document-masked ring kernel on this rank alone (one custom op with its own backward op,
+        # O(S) memory) replaces it in the graph
+        from nxd_lc.context.ring import ring_attention
+
+        return ring_attention(q, k, v, segment_ids=segment_ids, scale=scale, over_context_parallel=False)
     return _flash_documents(q, k, v, segment_ids, scale, causal)
 
 

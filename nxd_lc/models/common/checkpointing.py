@@ -50,13 +50,18 @@ NXDT_MODULE_ALIASES = {"LlamaRMSNorm": "RMSNorm"}
 _FLAG = "_nxd_activation_checkpointed"
 
 
-def _decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
+def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
     """``(index, layer)`` of the decoder layers this process holds (``model.local_layers()`` under pipelining,
-    else all of ``model.layers``); ValueError if the model has none."""
+    else all of ``model.layers``).
+
+    Raises:
+        ValueError: the model has no ``layers`` ModuleList.
+    """
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ValueError(
-            f"activation checkpointing needs a decoder with a 'layers' ModuleList (e.g. LlamaForCausalLM); "
+            f"activation checkpointing and model.compile need a decoder with a 'layers' ModuleList (e.g. "
+            f"LlamaForCausalLM); "
             f"got {type(model).__name__}"
         )
     local = getattr(model, "local_layers", None)
@@ -71,7 +76,7 @@ def recomputable_module_names(model: nn.Module) -> list[str]:
     Raises:
         ValueError: the model has no ``layers`` ModuleList.
     """
-    return sorted({type(m).__name__ for _, layer in _decoder_layers(model) for m in layer.modules()})
+    return sorted({type(m).__name__ for _, layer in decoder_layers(model) for m in layer.modules()})
 
 
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -114,7 +119,7 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
                          f"null, selective or full")
     if granularity is None:
         return []
-    layers = _decoder_layers(model)
+    layers = decoder_layers(model)
     if granularity == "full":
         targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
