@@ -4,6 +4,9 @@ with the detection mocked (no Neuron hardware here), and the rule that model cod
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +29,37 @@ def _fresh_probes() -> Any:
     accel.native_neuron_available.cache_clear()
 
 
+ISOLATED_ENV = "NXD_LC_PRIVATEUSE1_CHILD"
+
+
 @pytest.fixture
 def neuron_device_type() -> str:
     """Make ``torch.device("neuron")`` constructible, as importing torch_neuronx does (it names the PrivateUse1
-    backend ``neuron``); process-wide and irreversible, harmless to the rest of the suite (no test uses
-    PrivateUse1 otherwise)."""
+    backend ``neuron``). The rename is process-wide and irreversible, and afterwards ``torch.accelerator`` reports
+    a ``neuron`` accelerator with no ``torch.neuron`` module, which breaks ``torch.utils.checkpoint`` for the
+    rest of the process; so tests using this fixture run only in the child interpreter that
+    :func:`test_privateuse1_tests_in_a_fresh_interpreter` starts."""
+    if os.environ.get(ISOLATED_ENV) != "1":
+        pytest.skip("renames PrivateUse1: runs in a fresh interpreter (test_privateuse1_tests_in_a_fresh_interpreter)")
     if torch._C._get_privateuse1_backend_name() == "privateuseone":
         torch.utils.rename_privateuse1_backend(accel.NEURON_DEVICE_TYPE)
     assert torch._C._get_privateuse1_backend_name() == accel.NEURON_DEVICE_TYPE
     return accel.NEURON_DEVICE_TYPE
+
+
+PRIVATEUSE1_TESTS = ["test_accelerator_device_selects_the_local_rank", "test_native_neuron_trainer_arguments"]
+
+
+def test_privateuse1_tests_in_a_fresh_interpreter() -> None:
+    """Runs the tests that rename the PrivateUse1 backend in a child pytest, and requires every one to pass."""
+    if os.environ.get(ISOLATED_ENV) == "1":
+        pytest.skip("this is the child run")
+    env = {**os.environ, ISOLATED_ENV: "1"}
+    ids = [f"{Path(__file__).relative_to(REPO)}::{name}" for name in PRIVATEUSE1_TESTS]
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert f"{len(PRIVATEUSE1_TESTS)} passed" in proc.stdout, proc.stdout[-2000:]
 
 
 def _host(monkeypatch: pytest.MonkeyPatch, *, torch_version: tuple[int, int], neuronx_imports: bool,
