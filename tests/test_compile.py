@@ -27,9 +27,17 @@ from nxd_lc.models.llama import LlamaForCausalLM
 pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.compile missing")
 
 
+#: memory techniques applied before compiling: (activations_checkpoint_granularity, recompute list, tiled MLP
+#: chunk); the tiled MLP chunk (5 tokens) does not divide the 2 x 12 tokens, so chunks are uneven.
+NO_MEMORY = (None, None, None)
+MEMORY_LAYOUTS = [("full", None, 5), ("selective", ["CoreAttention", "LlamaMLP"], 5), ("selective", ["RMSNorm"], None)]
+
+
 def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: dict[str, Any], backend: str,
-                          atol: float) -> None:
+                          atol: float, memory: tuple[Any, Any, Any] = NO_MEMORY) -> None:
     from torch._dynamo.utils import counters
+
+    from nxd_lc.models.common.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
 
     layouts = [(algo, sp) for algo in algos for sp in ([True, False] if tp > 1 else [False])]
     for algo, sp in layouts:  # TP > 1: with sequence parallelism (gather / reduce-scatter) and without (all-reduce)
@@ -41,9 +49,12 @@ def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: d
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(local_shard(model, name, ref["weights"][name]))
+            granularity, recompute, tile = memory
+            apply_activation_checkpointing(model, granularity, recompute)
+            apply_tiled_mlp(model, tile)
             assert compile_decoder_layers(model, backend) == config.num_hidden_layers
             loss = _step(model, batch, algo)
-            msg = f"compiled ({backend}) {algo} {key} tp={tp} sp={sp}"
+            msg = f"compiled ({backend}) {algo} {key} tp={tp} sp={sp} memory={memory}"
             assert counters["stats"]["unique_graphs"] >= 1, f"{msg}: nothing was compiled"
             assert dict(counters["graph_break"]) == {}, f"{msg}: graph breaks {dict(counters['graph_break'])}"
             expected = ref["refs"][key]
@@ -54,10 +65,11 @@ def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: d
 
 
 def _worker(rank: int, world: int, tp: int, algos: list[str], config: LlamaConfig, ref: dict[str, Any],
-            backend: str, atol: float) -> None:
+            backend: str, atol: float, memories: list[tuple[Any, Any, Any]] | None = None) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
     torch._inductor.config.force_disable_caches = True  # compile now: no graph from an earlier run's disk cache
-    _compiled_step_checks(tp, algos, config, ref, backend, atol)
+    for memory in memories or [NO_MEMORY]:
+        _compiled_step_checks(tp, algos, config, ref, backend, atol, memory)
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +94,21 @@ def test_tp2_with_and_without_sequence_parallel_compiled_step_equals_reference(r
 def test_cp2_ring_and_ulysses_compiled_step_equals_reference(reference: Any) -> None:
     config, ref = reference
     run_distributed(_worker, 2, 1, ["ring", "ulysses"], config, ref, "aot_eager", ATOL)
+
+
+@pytest.mark.distributed
+def test_compiled_layers_with_activation_checkpointing_and_tiled_mlp_equal_reference(reference: Any) -> None:
+    """model.compile composes with the memory techniques: full and selective recomputation (torch's checkpoint
+    higher-order op) and the tiled MLP (per-chunk checkpoints when traced); TP 2 + SP exercises the collectives
+    inside recomputed regions."""
+    config, ref = reference
+    run_distributed(_worker, 2, 2, ["ring"], config, ref, "aot_eager", ATOL, MEMORY_LAYOUTS)
+
+
+@pytest.mark.distributed
+def test_tp1_inductor_with_checkpointing_and_tiled_mlp_equals_reference(reference: Any) -> None:
+    config, ref = reference
+    run_distributed(_worker, 1, 1, ["ring"], config, ref, "inductor", 2e-5, MEMORY_LAYOUTS[:1])
 
 
 @pytest.mark.compat

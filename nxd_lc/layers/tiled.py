@@ -18,6 +18,8 @@ i.e. *after* the column layer's all-gather), ``H`` hidden, ``Vl = Vp / tp`` this
   SwiGLU MLP between its column all-gather and row reduce-scatter) applied ``c`` tokens at a time; forward
   keeps only the input, backward recomputes each chunk and back-propagates it (DeepSpeed ALST ``TiledMLP``,
   Bekman et al. 2025, arXiv:2506.13996). ``fn`` must not run collectives (they would be re-run per chunk).
+  Under ``torch.compile`` each chunk is a non-reentrant ``torch.utils.checkpoint`` instead (same memory
+  contract; dynamo cannot trace ``autograd.grad`` inside a custom Function's backward).
 
 Numerics equal the untiled path up to float summation order (chunks are summed one after another).
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from torch.compiler import is_compiling
 from torch.utils.checkpoint import checkpoint
 
 from nxd_lc.layers.cross_entropy import parallel_cross_entropy
@@ -240,8 +243,14 @@ def tiled_apply(fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, chu
         raise ValueError("tiled_apply: x must have at least one dimension (tokens x features)")
     flat = x.reshape(-1, x.shape[-1])
     grad = torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params))
+    spans = _spans(flat.shape[0], chunk_size)
     if not grad:
-        out = torch.cat([fn(flat[s:e]) for s, e in _spans(flat.shape[0], chunk_size)])
+        out = torch.cat([fn(flat[s:e]) for s, e in spans])
+    elif is_compiling():
+        # traced (model.compile): dynamo cannot trace autograd.grad inside _TiledTokenwise.backward; per-chunk
+        # non-reentrant checkpoints keep the same memory contract (only the chunk inputs are saved, each chunk
+        # is recomputed alone in backward) and trace as torch's checkpoint higher-order op
+        out = torch.cat([checkpoint(fn, flat[s:e], use_reentrant=False) for s, e in spans])
     else:
         out = _TiledTokenwise.apply(fn, chunk_size, flat, *params)
     return out.view(*x.shape[:-1], out.shape[-1])
