@@ -57,7 +57,7 @@ def test_privateuse1_tests_in_a_fresh_interpreter() -> None:
     env = {**os.environ, ISOLATED_ENV: "1"}
     ids = [f"{Path(__file__).relative_to(REPO)}::{name}" for name in PRIVATEUSE1_TESTS]
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+                          check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     assert f"{len(PRIVATEUSE1_TESTS)} passed" in proc.stdout, proc.stdout[-2000:]
 
