@@ -12,7 +12,8 @@ keys a training YAML uses and applied by the same call the trainer makes
   (no L x L tensor).
 
 Any of these can be changed per run with ``--nxd-opts '{"tiled_loss_chunk_size": null, ...}'`` (JSON); the keys
-are the ModelConfig field names plus ``flash_attention``.
+are the ModelConfig field names plus ``flash_attention`` (``"compile": true`` compiles each decoder layer with
+inductor, as ``model.compile`` does in training).
 """
 
 from __future__ import annotations
@@ -64,6 +65,10 @@ def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True
     if load_weights:
         load_hf_weights(model, hf_dir)
     apply_memory_techniques(model, model_cfg)
+    if model_cfg.compile:  # --nxd-opts '{"compile": true}': the trainer's regional compilation (inductor on CPU)
+        from nxd_lc.models.common.compile import compile_decoder_layers
+
+        compile_decoder_layers(model, "inductor")
     return model
 
 

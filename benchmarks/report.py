@@ -121,3 +121,19 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
                   for k in ("hf_mfu", "nxd_mfu")]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def write_result(out: str, result: dict[str, Any], md: str) -> None:
+    """Write a benchmark's ``result`` as JSON to ``out`` and its markdown table ``md`` beside it (``.md``).
+
+    Creates the parent directory if needed; prints the table.
+    """
+    import json
+    import os
+
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=1)
+    with open(os.path.splitext(out)[0] + ".md", "w") as f:
+        f.write(md)
+    print(md)
