@@ -29,16 +29,17 @@ def _gemm_factors(m: dict) -> dict[str, float]:
     """Expected profiled GEMM FLOPs / (6 x matmul parameters x tokens) per configuration.
 
     One step without recomputation does 6 FLOPs per matmul parameter per token (2 forward + 4 backward). Full
-    checkpointing re-runs each decoder layer's forward once more (+2 per layer parameter, not the LM head); the
-    tiled MLP re-runs each MLP chunk's forward in its backward (+2 per MLP parameter); selective recomputation of
-    CoreAttention + LlamaMLP re-runs the MLP forward (+2 per MLP parameter; flash attention has no GEMM)."""
+    checkpointing re-runs each decoder layer's forward once more (+2 per layer parameter, not the LM head) except
+    the tiled MLP's chunks, which its own backward re-runs instead (so +2 per MLP parameter once, not twice);
+    selective recomputation of CoreAttention + LlamaMLP with the tiled MLP: the MLP forward once more (+2 per MLP
+    parameter; flash attention has no GEMM)."""
     h, inter, layers, vocab = m["hidden_size"], m["intermediate_size"], m["num_hidden_layers"], m["vocab_size"]
     kv = h // m["num_attention_heads"] * m["num_key_value_heads"]
     attn, mlp = 2 * h * h + 2 * h * kv, 3 * h * inter
     total = layers * (attn + mlp) + h * vocab
     return {"hf": 1.0, "no_recompute": 1.0,
-            "memory": 1 + (2 * layers * (attn + mlp) + 2 * layers * mlp) / (6 * total),
-            "selective": 1 + (2 * layers * mlp + 2 * layers * mlp) / (6 * total)}
+            "memory": 1 + 2 * layers * (attn + mlp) / (6 * total),
+            "selective": 1 + 2 * layers * mlp / (6 * total)}
 
 
 @pytest.mark.slow

@@ -39,6 +39,9 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("full", {"activations_checkpoint_granularity": "full"}),
     ("selective", {"activations_checkpoint_granularity": "selective",
                    "activations_checkpoint_recompute": ["CoreAttention", "LlamaMLP"]}),
+    ("full_tiled_mlp", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5}),
+    ("selective_tiled_mlp", {"activations_checkpoint_granularity": "selective", "tiled_mlp_chunk_size": 4,
+                             "activations_checkpoint_recompute": ["LlamaMLP"]}),
     ("all", {"tiled_loss_chunk_size": 7, "tiled_mlp_chunk_size": 5, "activations_checkpoint_granularity": "selective",
              "activations_checkpoint_recompute": ["LlamaDecoderLayer", "CoreAttention", "LlamaMLP"]}),
 ]
@@ -181,6 +184,29 @@ def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> 
             assert apply_activation_checkpointing(model, granularity, recompute) == []  # idempotent
     with torch.no_grad():  # no recomputation machinery without grad
         model(_batch()["input_ids"])
+
+
+@pytest.mark.parametrize(("granularity", "recompute"), [("full", None), ("selective", ["LlamaMLP"]),
+                                                       ("selective", ["LlamaDecoderLayer", "LlamaMLP"])])
+def test_recomputation_skips_the_tiled_mlp_forward(monkeypatch: pytest.MonkeyPatch, granularity: str,
+                                                   recompute: list[str] | None) -> None:
+    """Checkpointing + tiled MLP: the chunk forwards run once in forward and once in the tiled backward, not a
+    third time in the checkpoint's recomputation (whose MLP output is discarded); gradients stay the reference's
+    (VARIANTS above)."""
+    rows: list[int] = []
+    original = LlamaMLP._local_mlp
+
+    def counting(self: LlamaMLP, x: torch.Tensor) -> torch.Tensor:
+        rows.append(x.shape[0])
+        return original(self, x)
+
+    monkeypatch.setattr(LlamaMLP, "_local_mlp", counting)
+    model = _model(_config(), tiled_mlp_chunk_size=5, activations_checkpoint_granularity=granularity,
+                   activations_checkpoint_recompute=recompute)
+    _step(model, _batch())
+    tokens, layers = B * S, 2
+    assert sum(rows) == 2 * layers * tokens  # forward + tiled backward; the recomputation ran no rows
+    assert rows.count(0) == layers  # the recomputation only asked for the output shape
 
 
 def test_checkpointing_errors_name_the_key() -> None:

@@ -20,13 +20,20 @@ i.e. *after* the column layer's all-gather), ``H`` hidden, ``Vl = Vp / tp`` this
   Bekman et al. 2025, arXiv:2506.13996). ``fn`` must not run collectives (they would be re-run per chunk).
   Under ``torch.compile`` each chunk is a non-reentrant ``torch.utils.checkpoint`` instead (same memory
   contract; dynamo cannot trace ``autograd.grad`` inside a custom Function's backward).
+* :func:`discard_tiled_outputs` -- inside an activation-checkpoint *recomputation* whose region ends with the
+  tiled block (the decoder layer, the MLP module), :func:`tiled_apply` saves its input for backward but skips the
+  chunk forwards: their result would be thrown away (a non-reentrant checkpoint recomputes a region only for the
+  tensors it saves), and the tiled backward recomputes every chunk anyway. Full checkpointing + tiled MLP then
+  runs the MLP forward twice per step instead of three times (ALST's ``TiledMLP`` under checkpointing: three).
 
 Numerics equal the untiled path up to float summation order (chunks are summed one after another).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +45,7 @@ from nxd_lc.layers.cross_entropy import parallel_cross_entropy
 
 __all__ = [
     "check_chunk_size",
+    "discard_tiled_outputs",
     "tiled_apply",
     "tiled_causal_lm_loss",
     "tiled_cross_entropy",
@@ -185,6 +193,27 @@ def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
     return torch.cat(pieces).view(labels.shape)
 
 
+_STATE = threading.local()  # the autograd engine runs a recomputation in one thread, enter to exit
+
+
+@contextlib.contextmanager
+def discard_tiled_outputs() -> Iterator[None]:
+    """While active (in this thread), :func:`tiled_apply` with gradients returns an *uninitialised* ``[L, H']``
+    tensor instead of running ``fn``: it still saves ``x`` and builds the same backward.
+
+    Only for the recomputation pass of a non-reentrant ``torch.utils.checkpoint`` region in which nothing after
+    the tiled call saves a tensor for backward (then the region's outputs are discarded and the early stop of
+    the recomputation ends it at the tiled call's saved input). :mod:`nxd_lc.models.common.checkpointing` enters
+    it for modules whose class sets ``tiled_output_unused_in_recompute = True``.
+    """
+    prev = getattr(_STATE, "discard", False)
+    _STATE.discard = True
+    try:
+        yield
+    finally:
+        _STATE.discard = prev
+
+
 class _TiledTokenwise(torch.autograd.Function):
     """``fn`` applied to row chunks of ``x [L, H]``; backward recomputes and back-propagates chunk by chunk."""
 
@@ -192,7 +221,11 @@ class _TiledTokenwise(torch.autograd.Function):
     def forward(ctx: Any, fn: Callable[[torch.Tensor], torch.Tensor], chunk_size: int, x: torch.Tensor,
                 *params: torch.Tensor) -> torch.Tensor:
         spans = _spans(x.shape[0], chunk_size)
-        out = torch.cat([fn(x[s:e]) for s, e in spans])  # grad mode is off in forward: no graph is kept
+        if getattr(_STATE, "discard", False):  # checkpoint recomputation: only the saved x matters
+            proto = fn(x[:0])  # [0, H'] in fn's output dtype (autocast included)
+            out = proto.new_empty((x.shape[0], proto.shape[-1]))
+        else:
+            out = torch.cat([fn(x[s:e]) for s, e in spans])  # grad mode is off in forward: no graph is kept
         ctx.fn, ctx.spans, ctx.params = fn, spans, params
         ctx.save_for_backward(x)
         return out

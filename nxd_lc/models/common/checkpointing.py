@@ -23,14 +23,16 @@ activation checkpointing keys to a constructed :class:`~nxd_lc.models.llama.mode
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 from torch.utils.checkpoint import checkpoint
 
-from nxd_lc.layers.tiled import check_chunk_size
+from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
 from nxd_lc.models.common.mlp import LlamaMLP
 
 if TYPE_CHECKING:
@@ -79,11 +81,26 @@ def recomputable_module_names(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for _, layer in decoder_layers(model) for m in layer.modules()})
 
 
+def _recompute_without_tiled_outputs() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+    """``context_fn`` of the checkpoint: plain forward; recomputation under :func:`discard_tiled_outputs`."""
+    return contextlib.nullcontext(), discard_tiled_outputs()
+
+
 def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    """The class forward of ``module`` under non-reentrant checkpointing (plain call without grad)."""
+    """The class forward of ``module`` under non-reentrant checkpointing (plain call without grad).
+
+    When the module's class sets ``tiled_output_unused_in_recompute = True`` (nothing after its tiled MLP saves a
+    tensor for backward: ``LlamaDecoderLayer``, ``LlamaMLP``), the recomputation skips the tiled MLP's chunk
+    forwards (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`).
+    """
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
+    # traced (model.compile): dynamo accepts no custom context_fn, and the traced tiled MLP is per-chunk
+    # checkpoints that the discard flag does not touch
+    if getattr(type(module), "tiled_output_unused_in_recompute", False) and not is_compiling():
+        return checkpoint(forward, module, *args, use_reentrant=False,
+                          context_fn=_recompute_without_tiled_outputs, **kwargs)
     return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
 
 

@@ -19,6 +19,8 @@ otherwise), exactly the collectives of the untiled layers. Gradients equal the u
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -61,6 +63,10 @@ class LlamaMLP(nn.Module):
     Raises:
         ValueError: (from the layers) if I is not divisible by the TP size; a non-positive tiled_chunk_size.
     """
+
+    #: the tiled block is last (then only the row reduction and bias add, which save nothing): a checkpoint
+    #: recomputation of this module may skip its chunk forwards (``nxd_lc.layers.tiled.discard_tiled_outputs``)
+    tiled_output_unused_in_recompute: ClassVar[bool] = True
 
     def __init__(
         self,

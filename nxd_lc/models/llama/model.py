@@ -29,7 +29,7 @@ import functools
 import json
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -342,6 +342,10 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``; [B, S(/tp), H] -> same."""
+
+    #: nothing after the MLP saves a tensor for backward (the residual add does not): a checkpoint recomputation
+    #: of this layer may skip the tiled MLP's chunk forwards (``nxd_lc.layers.tiled.discard_tiled_outputs``)
+    tiled_output_unused_in_recompute: ClassVar[bool] = True
 
     def __init__(self, config: LlamaConfig, *, sequence_parallel: bool, init_method: InitMethod,
                  attn_kw: dict[str, Any], **layer_kw: Any) -> None:
