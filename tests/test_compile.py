@@ -28,13 +28,16 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.com
 
 
 #: memory techniques applied before compiling: (activations_checkpoint_granularity, recompute list, tiled MLP
-#: chunk); the tiled MLP chunk (5 tokens) does not divide the 2 x 12 tokens, so chunks are uneven.
+#: chunk[, activations_checkpoint_save_attention]); the tiled MLP chunk (5 tokens) does not divide the 2 x 12
+#: tokens, so chunks are uneven.
 NO_MEMORY = (None, None, None)
-MEMORY_LAYOUTS = [("full", None, 5), ("selective", ["CoreAttention", "LlamaMLP"], 5), ("selective", ["RMSNorm"], None)]
+SAVE_ATTENTION = ("full", None, None, True)  # selective checkpointing's policy inside the traced checkpoint
+MEMORY_LAYOUTS = [("full", None, 5), ("selective", ["CoreAttention", "LlamaMLP"], 5), ("selective", ["RMSNorm"], None),
+                  SAVE_ATTENTION]
 
 
 def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: dict[str, Any], backend: str,
-                          atol: float, memory: tuple[Any, Any, Any] = NO_MEMORY) -> None:
+                          atol: float, memory: tuple[Any, ...] = NO_MEMORY) -> None:
     from torch._dynamo.utils import counters
 
     from nxd_lc.models.common.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
@@ -49,8 +52,8 @@ def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: d
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(local_shard(model, name, ref["weights"][name]))
-            granularity, recompute, tile = memory
-            apply_activation_checkpointing(model, granularity, recompute)
+            granularity, recompute, tile, *save = memory
+            apply_activation_checkpointing(model, granularity, recompute, save_attention=bool(save and save[0]))
             apply_tiled_mlp(model, tile)
             assert compile_decoder_layers(model, backend) == config.num_hidden_layers
             loss = _step(model, batch, algo)
@@ -65,7 +68,7 @@ def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: d
 
 
 def _worker(rank: int, world: int, tp: int, algos: list[str], config: LlamaConfig, ref: dict[str, Any],
-            backend: str, atol: float, memories: list[tuple[Any, Any, Any]] | None = None) -> None:
+            backend: str, atol: float, memories: list[tuple[Any, ...]] | None = None) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
     torch._inductor.config.force_disable_caches = True  # compile now: no graph from an earlier run's disk cache
     for memory in memories or [NO_MEMORY]:
@@ -108,7 +111,7 @@ def test_compiled_layers_with_activation_checkpointing_and_tiled_mlp_equal_refer
 @pytest.mark.distributed
 def test_tp1_inductor_with_checkpointing_and_tiled_mlp_equals_reference(reference: Any) -> None:
     config, ref = reference
-    run_distributed(_worker, 1, 1, ["ring"], config, ref, "inductor", 2e-5, MEMORY_LAYOUTS[:1])
+    run_distributed(_worker, 1, 1, ["ring"], config, ref, "inductor", 2e-5, [MEMORY_LAYOUTS[0], SAVE_ATTENTION])
 
 
 @pytest.mark.compat

@@ -362,3 +362,13 @@ def test_mixture_and_upsampling_settings_are_checked() -> None:
                      "length_upsampling": {"min_tokens": 4096, "factor": 2.0}})
     cfg = load_config(ok)
     assert cfg.data.mixture[1]["num_samples"] == 64 and cfg.data.length_upsampling["factor"] == 2.0
+
+
+def test_save_attention_without_checkpointing_is_a_config_error() -> None:
+    raw = _tiny(model={"model_config": TINY_JSON, "activations_checkpoint_save_attention": True})
+    assert _one_problem(raw).startswith("model.activations_checkpoint_save_attention: true keeps attention outputs "
+                                        "inside checkpointed modules, but model.activations_checkpoint_granularity "
+                                        "is null")
+    raw = _tiny(model={"model_config": TINY_JSON, "activations_checkpoint_save_attention": True,
+                       "activations_checkpoint_granularity": "full"})
+    assert load_config(raw).model.activations_checkpoint_save_attention is True

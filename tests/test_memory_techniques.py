@@ -40,6 +40,11 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("selective", {"activations_checkpoint_granularity": "selective",
                    "activations_checkpoint_recompute": ["CoreAttention", "LlamaMLP"]}),
     ("full_tiled_mlp", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5}),
+    ("full_save_attention", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5,
+                             "activations_checkpoint_save_attention": True, "tiled_loss_chunk_size": 7}),
+    ("selective_save_attention", {"activations_checkpoint_granularity": "selective",
+                                  "activations_checkpoint_recompute": ["LlamaAttention", "LlamaMLP"],
+                                  "activations_checkpoint_save_attention": True}),
     ("selective_tiled_mlp", {"activations_checkpoint_granularity": "selective", "tiled_mlp_chunk_size": 4,
                              "activations_checkpoint_recompute": ["LlamaMLP"]}),
     ("all", {"tiled_loss_chunk_size": 7, "tiled_mlp_chunk_size": 5, "activations_checkpoint_granularity": "selective",
@@ -209,6 +214,36 @@ def test_recomputation_skips_the_tiled_mlp_forward(monkeypatch: pytest.MonkeyPat
     assert rows.count(0) == layers  # the recomputation only asked for the output shape
 
 
+class _KernelCount(TorchDispatchMode):
+    """Counts calls of the CPU flash-attention forward kernel (the op SDPA dispatches to on CPU)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func is torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("segments", [False, True])
+def test_save_attention_runs_the_attention_kernel_once(segments: bool) -> None:
+    """Full checkpointing recomputes the attention kernel (2 forward calls per layer and document);
+    activations_checkpoint_save_attention keeps its output (1 call), with the same gradients (VARIANTS)."""
+    batch = _batch()
+    docs = 2 if segments else 1  # _batch packs two documents per row: one SDPA call each (flash, eager)
+    if not segments:
+        batch = {**batch, "segment_ids": None, "position_ids": None}
+    layers = 2
+    for save, expect in ((False, 2 * layers * docs), (True, layers * docs)):
+        model = _model(_config(), activations_checkpoint_granularity="full",
+                       activations_checkpoint_save_attention=save)
+        with _KernelCount() as count:
+            _step(model, batch)
+        assert count.calls == expect, (save, segments)
+
+
 def test_checkpointing_errors_name_the_key() -> None:
     model = _model(_config())
     valid = recomputable_module_names(model)
@@ -223,6 +258,8 @@ def test_checkpointing_errors_name_the_key() -> None:
         apply_activation_checkpointing(torch.nn.Linear(2, 2), "full", None)
     with pytest.raises(ValueError, match="model.tiled_mlp_chunk_size"):
         apply_memory_techniques(model, ModelConfig(tiled_mlp_chunk_size=0))
+    with pytest.raises(ValueError, match="activations_checkpoint_save_attention: true needs"):
+        apply_memory_techniques(model, ModelConfig(activations_checkpoint_save_attention=True))
 
 
 def test_deepcopy_keeps_checkpointing_bound_to_the_copy() -> None:

@@ -235,6 +235,7 @@ class ModelConfig:
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
     activations_checkpoint_recompute: Optional[List[str]] = None  # module class names recomputed with 'selective'
+    activations_checkpoint_save_attention: bool = False  # checkpointed modules keep attention outputs (no O(S^2) redo)
     pipeline_cuts: Optional[List[str]] = None  # last layer of each pipeline stage but the last, e.g. [model.layers.18]
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)

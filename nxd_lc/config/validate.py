@@ -472,6 +472,10 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
     if m.activations_checkpoint_granularity == "selective" and not m.activations_checkpoint_recompute:
         p.append("model.activations_checkpoint_recompute: 'selective' granularity needs module names to "
                  "recompute, e.g. [CoreAttention]")
+    if m.activations_checkpoint_save_attention and m.activations_checkpoint_granularity is None:
+        p.append("model.activations_checkpoint_save_attention: true keeps attention outputs inside checkpointed "
+                 "modules, but model.activations_checkpoint_granularity is null (nothing is checkpointed); set "
+                 "the granularity to full (or selective) or the key to false")
     if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
         p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
                  "weights initialise this run)")

@@ -10,6 +10,16 @@ NxDT keys (``model:`` section):
   NxDT's ``LlamaRMSNorm`` is nxd_lc's ``RMSNorm``) are recomputed. Unlike NxDT, a name
   that matches no module class of the decoder layers is an error (NxDT silently skips it).
 
+``activations_checkpoint_save_attention: true`` (nxd_lc; default false) -- inside every checkpointed module the
+attention kernel's outputs (``O [B, Hq, S, D]`` and its log-sum-exp) are kept from forward instead of recomputed:
+the recomputation re-runs the cheap ops (norms, projections, RoPE) but not the ``O(S^2)`` attention. Costs one
+``[B, S, H]`` (+ ``[B, Hq, S]``) per layer. Mechanism: torch's selective activation checkpointing
+(``create_selective_checkpoint_contexts``, torch >= 2.4) with a policy that must-saves the attention ops
+(the SDPA kernels of every backend and nxd_lc's ring attention op); as torchtitan's op-level SAC saves SDPA.
+Selective checkpointing requires the recomputation to run the forward's ops, so with this key the tiled MLP's
+forward is recomputed too (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`; without the key it is skipped).
+Ring attention in eager mode is an autograd Function of several ops, not one kernel: it is recomputed as before.
+
 Mechanism: the chosen modules' ``forward`` is replaced, on the instance, by
 ``torch.utils.checkpoint.checkpoint(type(m).forward, m, ..., use_reentrant=False)`` (Chen et al. 2016,
 arXiv:1604.06174; non-reentrant checkpointing as in torch). Parameter names and the state dict are unchanged
@@ -30,7 +40,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import torch
 from torch import nn
 from torch.compiler import is_compiling
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
 from nxd_lc.models.common.mlp import LlamaMLP
@@ -81,7 +91,31 @@ def recomputable_module_names(model: nn.Module) -> list[str]:
     return sorted({type(m).__name__ for _, layer in decoder_layers(model) for m in layer.modules()})
 
 
-def _recompute_without_tiled_outputs() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+_SAVE_ATTENTION = "_nxd_checkpoint_save_attention"
+#: attention kernels whose outputs are kept with ``activations_checkpoint_save_attention`` (names of aten ops
+#: that SDPA dispatches to on CPU / CUDA / PrivateUse1 devices, and nxd_lc's traced ring attention op)
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+                  "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+                  "_scaled_dot_product_fused_attention_overrideable")
+
+
+@functools.lru_cache(maxsize=1)
+def _attention_ops() -> frozenset[Any]:
+    """The OpOverloads of :data:`_ATTENTION_OPS` this torch build has, plus ``nxd_lc::ring_attention_fwd``."""
+    import nxd_lc.context.ring  # noqa: F401  (registers nxd_lc::ring_attention_fwd)
+
+    ops = {getattr(torch.ops.aten, name).default for name in _ATTENTION_OPS if hasattr(torch.ops.aten, name)}
+    ops.add(torch.ops.nxd_lc.ring_attention_fwd.default)
+    return frozenset(ops)
+
+
+def _save_attention_policy(ctx: Any, func: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    """Selective-checkpoint policy: keep the attention kernels' outputs, recompute everything else."""
+    return CheckpointPolicy.MUST_SAVE if func in _attention_ops() else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _recompute_without_tiled_outputs() -> tuple[contextlib.AbstractContextManager,
+                                                contextlib.AbstractContextManager]:
     """``context_fn`` of the checkpoint: plain forward; recomputation under :func:`discard_tiled_outputs`."""
     return contextlib.nullcontext(), discard_tiled_outputs()
 
@@ -91,21 +125,30 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
     When the module's class sets ``tiled_output_unused_in_recompute = True`` (nothing after its tiled MLP saves a
     tensor for backward: ``LlamaDecoderLayer``, ``LlamaMLP``), the recomputation skips the tiled MLP's chunk
-    forwards (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`).
+    forwards (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`). With
+    ``activations_checkpoint_save_attention`` the attention outputs are kept (module docstring).
     """
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
-    # traced (model.compile): dynamo accepts no custom context_fn, and the traced tiled MLP is per-chunk
-    # checkpoints that the discard flag does not touch
-    if getattr(type(module), "tiled_output_unused_in_recompute", False) and not is_compiling():
-        return checkpoint(forward, module, *args, use_reentrant=False,
-                          context_fn=_recompute_without_tiled_outputs, **kwargs)
-    return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
+    save_attention = bool(getattr(module, _SAVE_ATTENTION, False))
+    # traced (model.compile): dynamo accepts a context_fn only when it is selective checkpointing's, and the
+    # traced tiled MLP is per-chunk checkpoints that the discard flag does not touch; selective checkpointing
+    # (save_attention) needs the recomputation to run the forward's ops, so it keeps the tiled MLP's forward
+    discard = (getattr(type(module), "tiled_output_unused_in_recompute", False) and not is_compiling()
+               and not save_attention)
+    if not (save_attention or discard):
+        return checkpoint(forward, module, *args, use_reentrant=False, **kwargs)
+    if save_attention:
+        context_fn = functools.partial(create_selective_checkpoint_contexts, _save_attention_policy)
+    else:
+        context_fn = _recompute_without_tiled_outputs
+    return checkpoint(forward, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _wrap(module: nn.Module) -> bool:
+def _wrap(module: nn.Module, save_attention: bool = False) -> bool:
     """Route ``module``'s forward through :func:`_checkpointed_forward`; False if it already was."""
+    setattr(module, _SAVE_ATTENTION, save_attention)
     if getattr(module, _FLAG, False):
         return False
     # a partial of a module-level function (not a closure): deepcopy / pickle re-bind it to the copied module
@@ -115,7 +158,7 @@ def _wrap(module: nn.Module) -> bool:
 
 
 def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
-                                   recompute: Sequence[str] | None = None) -> list[str]:
+                                   recompute: Sequence[str] | None = None, save_attention: bool = False) -> list[str]:
     """Make ``model`` recompute activations in backward per NxDT's granularity (see the module docstring).
 
     Args:
@@ -123,6 +166,8 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         granularity: ``None`` | ``"selective"`` | ``"full"`` (``model.activations_checkpoint_granularity``).
         recompute: class names for ``selective`` (``model.activations_checkpoint_recompute``); ignored
             (must be a list or None) for the other granularities, as in NxDT.
+        save_attention: keep the attention kernels' outputs inside the checkpointed modules
+            (``model.activations_checkpoint_save_attention``; module docstring).
 
     Returns:
         Qualified names of the modules now checkpointed (empty for ``None``). Applying twice is a no-op.
@@ -135,13 +180,16 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         raise ValueError(f"model.activations_checkpoint_granularity: unknown value {granularity!r}; choose "
                          f"null, selective or full")
     if granularity is None:
+        if save_attention:
+            raise ValueError("model.activations_checkpoint_save_attention: true needs "
+                             "model.activations_checkpoint_granularity full or selective (it is null)")
         return []
     layers = decoder_layers(model)
     if granularity == "full":
         targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
         targets = _selective_targets(model, layers, list(recompute or []))
-    return [name for name, module in targets if _wrap(module)]
+    return [name for name, module in targets if _wrap(module, save_attention)]
 
 
 def _selective_targets(model: nn.Module, layers: list[tuple[int, nn.Module]],
@@ -203,4 +251,5 @@ def apply_memory_techniques(model: nn.Module, model_cfg: ModelConfig) -> list[st
         model.tiled_loss_chunk_size = loss_chunk
     apply_tiled_mlp(model, model_cfg.tiled_mlp_chunk_size)
     return apply_activation_checkpointing(model, model_cfg.activations_checkpoint_granularity,
-                                          model_cfg.activations_checkpoint_recompute)
+                                          model_cfg.activations_checkpoint_recompute,
+                                          model_cfg.activations_checkpoint_save_attention)
