@@ -45,6 +45,7 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "hf": None,
     "memory": {},  # NXD_BEST: full checkpointing + tiled MLP 4096 + tiled loss 1024
     "memory_compiled": {"compile": True, "tiled_mlp_chunk_size": None},
+    "memory_save_attention": {"activations_checkpoint_save_attention": True},
     "memory_save_attention_compiled": {"compile": True, "tiled_mlp_chunk_size": None,
                                        "activations_checkpoint_save_attention": True},
     "selective": {"activations_checkpoint_granularity": "selective",
