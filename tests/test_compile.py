@@ -32,6 +32,7 @@ pytestmark = pytest.mark.skipif(not hasattr(torch, "compile"), reason="torch.com
 #: tokens, so chunks are uneven.
 NO_MEMORY = (None, None, None)
 SAVE_ATTENTION = ("full", None, None, True)  # selective checkpointing's policy inside the traced checkpoint
+BLOCK = ("full", None, None, True, "block", 1)  # only the first layer checkpointed: two variants of the layer
 MEMORY_LAYOUTS = [("full", None, 5), ("selective", ["CoreAttention", "LlamaMLP"], 5), ("selective", ["RMSNorm"], None),
                   SAVE_ATTENTION]
 
@@ -52,8 +53,10 @@ def _compiled_step_checks(tp: int, algos: list[str], config: LlamaConfig, ref: d
             with torch.no_grad():
                 for name, param in model.named_parameters():
                     param.copy_(local_shard(model, name, ref["weights"][name]))
-            granularity, recompute, tile, *save = memory
-            apply_activation_checkpointing(model, granularity, recompute, save_attention=bool(save and save[0]))
+            granularity, recompute, tile, *rest = memory
+            save, method, num_layers = (list(rest) + [False, None, None][len(rest):])[:3]
+            apply_activation_checkpointing(model, granularity, recompute, save_attention=bool(save), method=method,
+                                           num_layers=num_layers)
             apply_tiled_mlp(model, tile)
             assert compile_decoder_layers(model, backend) == config.num_hidden_layers
             loss = _step(model, batch, algo)
@@ -111,7 +114,8 @@ def test_compiled_layers_with_activation_checkpointing_and_tiled_mlp_equal_refer
 @pytest.mark.distributed
 def test_tp1_inductor_with_checkpointing_and_tiled_mlp_equals_reference(reference: Any) -> None:
     config, ref = reference
-    run_distributed(_worker, 1, 1, ["ring"], config, ref, "inductor", 2e-5, [MEMORY_LAYOUTS[0], SAVE_ATTENTION])
+    # BLOCK covers save_attention under inductor too (layer 0)
+    run_distributed(_worker, 1, 1, ["ring"], config, ref, "inductor", 2e-5, [MEMORY_LAYOUTS[0], BLOCK])
 
 
 @pytest.mark.compat

@@ -372,3 +372,24 @@ def test_save_attention_without_checkpointing_is_a_config_error() -> None:
     raw = _tiny(model={"model_config": TINY_JSON, "activations_checkpoint_save_attention": True,
                        "activations_checkpoint_granularity": "full"})
     assert load_config(raw).model.activations_checkpoint_save_attention is True
+
+
+def test_checkpoint_block_method_keys() -> None:
+    """NeMo's activations_checkpoint_method / _num_layers: block needs num_layers and full granularity; a bad
+    method names the choices; a valid block config loads."""
+    def model(**kw: object) -> dict:
+        return {"model_config": TINY_JSON, **kw}
+
+    assert _one_problem(_tiny(model=model(activations_checkpoint_granularity="full",
+                                          activations_checkpoint_method="block"))).startswith(
+        "model.activations_checkpoint_num_layers: 'block' needs the number of decoder layers")
+    assert _one_problem(_tiny(model=model(activations_checkpoint_method="block",
+                                          activations_checkpoint_num_layers=2))).startswith(
+        "model.activations_checkpoint_method: 'block' applies to model.activations_checkpoint_granularity full "
+        "(it is None)")
+    assert "model.activations_checkpoint_method" in _one_problem(
+        _tiny(model=model(activations_checkpoint_granularity="full", activations_checkpoint_method="blok",
+                          activations_checkpoint_num_layers=2)))
+    cfg = load_config(_tiny(model=model(activations_checkpoint_granularity="full",
+                                        activations_checkpoint_method="block", activations_checkpoint_num_layers=2)))
+    assert (cfg.model.activations_checkpoint_method, cfg.model.activations_checkpoint_num_layers) == ("block", 2)

@@ -42,6 +42,9 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("full_tiled_mlp", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5}),
     ("full_save_attention", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5,
                              "activations_checkpoint_save_attention": True, "tiled_loss_chunk_size": 7}),
+    ("block_save_attention", {"activations_checkpoint_granularity": "full", "activations_checkpoint_method": "block",
+                              "activations_checkpoint_num_layers": 1, "tiled_mlp_chunk_size": 5,
+                              "activations_checkpoint_save_attention": True}),
     ("selective_save_attention", {"activations_checkpoint_granularity": "selective",
                                   "activations_checkpoint_recompute": ["LlamaAttention", "LlamaMLP"],
                                   "activations_checkpoint_save_attention": True}),
@@ -163,8 +166,8 @@ def test_tiled_apply_matches_and_rejects_bad_chunk() -> None:
                              num_valid_vocab_local=4)
 
 
-def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    """'full' re-runs every layer in backward, 'selective' only the named modules; state dict is unchanged."""
+def _count_core_attention(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts calls of ``core_attention`` in the returned dict's ``attn`` from now on (monkeypatched)."""
     calls = {"attn": 0}
     original = attention.core_attention
 
@@ -173,6 +176,12 @@ def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> 
         return original(*args, **kwargs)
 
     monkeypatch.setattr(attention, "core_attention", counting)
+    return calls
+
+
+def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> None:
+    """'full' re-runs every layer in backward, 'selective' only the named modules; state dict is unchanged."""
+    calls = _count_core_attention(monkeypatch)
     for granularity, recompute, expect in [(None, None, 2), ("full", None, 4), ("selective", ["CoreAttention"], 4),
                                            ("selective", ["LlamaMLP"], 2)]:
         model = _model(_config())
@@ -189,6 +198,20 @@ def test_checkpointing_recomputes_and_names(monkeypatch: pytest.MonkeyPatch) -> 
             assert apply_activation_checkpointing(model, granularity, recompute) == []  # idempotent
     with torch.no_grad():  # no recomputation machinery without grad
         model(_batch()["input_ids"])
+
+
+@pytest.mark.parametrize(("num_layers", "expect_names"), [(0, []), (1, ["layers.0"]), (2, ["layers.0", "layers.1"]),
+                                                          (5, ["layers.0", "layers.1"])])
+def test_block_method_checkpoints_the_first_layers(monkeypatch: pytest.MonkeyPatch, num_layers: int,
+                                                   expect_names: list[str]) -> None:
+    """activations_checkpoint_method 'block': only the first num_layers layers are recomputed (one attention call
+    per layer in forward, one more per checkpointed layer in backward); more than the model has means all."""
+    calls = _count_core_attention(monkeypatch)
+    model = _model(_config())
+    names = apply_activation_checkpointing(model, "full", None, method="block", num_layers=num_layers)
+    assert names == expect_names
+    _step(model, _batch())
+    assert calls["attn"] == 2 + len(expect_names)
 
 
 @pytest.mark.parametrize(("granularity", "recompute"), [("full", None), ("selective", ["LlamaMLP"]),
@@ -260,6 +283,14 @@ def test_checkpointing_errors_name_the_key() -> None:
         apply_memory_techniques(model, ModelConfig(tiled_mlp_chunk_size=0))
     with pytest.raises(ValueError, match="activations_checkpoint_save_attention: true needs"):
         apply_memory_techniques(model, ModelConfig(activations_checkpoint_save_attention=True))
+    with pytest.raises(ValueError, match="activations_checkpoint_num_layers: 'block' needs the number"):
+        apply_activation_checkpointing(model, "full", None, method="block")
+    with pytest.raises(ValueError, match="activations_checkpoint_method: 'block' applies to .*granularity full"):
+        apply_activation_checkpointing(model, "selective", ["LlamaMLP"], method="block", num_layers=1)
+    with pytest.raises(ValueError, match="activations_checkpoint_num_layers: 2 with method 'uniform'.*not supported"):
+        apply_activation_checkpointing(model, "full", None, method="uniform", num_layers=2)
+    with pytest.raises(ValueError, match="activations_checkpoint_method: unknown value 'blocks'"):
+        apply_activation_checkpointing(model, "full", None, method="blocks", num_layers=1)
 
 
 def test_deepcopy_keeps_checkpointing_bound_to_the_copy() -> None:
@@ -333,6 +364,13 @@ def test_memory_effect_of_each_technique() -> None:
     selective = _measure(_model(small_vocab, activations_checkpoint_granularity="selective",
                                 activations_checkpoint_recompute=["LlamaMLP"]), _batch(b=1, s=256))
     assert full.peak < selective.peak < base.peak
+    # 'block': the peak (end of forward) holds the activations of the layers not checkpointed; 4 layers so that
+    # it is not the backward of a recomputed layer, the same in every configuration
+    four = _config(intermediate_size=512, num_hidden_layers=4)
+    peaks = [_measure(_model(four, activations_checkpoint_granularity="full", activations_checkpoint_method="block",
+                             activations_checkpoint_num_layers=n), _batch(b=1, s=256)).peak for n in (4, 2, 0)]
+    layer_mlp = 256 * 3 * 512 * 4  # gate, up and silu outputs [S, I] fp32 of one layer
+    assert peaks[0] + layer_mlp < peaks[1] < peaks[2] - layer_mlp, peaks
     # NxDT's default [CoreAttention] pays off when attention keeps [B, heads, S, S] scores (non-flash path)
     eager = _measure(_model(small_vocab, flash_attention=False), _batch(b=1, s=256))
     eager_sel = _measure(_model(small_vocab, flash_attention=False, activations_checkpoint_granularity="selective",

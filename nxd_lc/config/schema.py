@@ -236,6 +236,8 @@ class ModelConfig:
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
     activations_checkpoint_recompute: Optional[List[str]] = None  # module class names recomputed with 'selective'
     activations_checkpoint_save_attention: bool = False  # checkpointed modules keep attention outputs (no O(S^2) redo)
+    activations_checkpoint_method: Optional[str] = None  # with 'full': null/uniform (every layer) | block (first N)
+    activations_checkpoint_num_layers: Optional[int] = None  # 'block': layers checkpointed per pipeline stage
     pipeline_cuts: Optional[List[str]] = None  # last layer of each pipeline stage but the last, e.g. [model.layers.18]
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
@@ -290,6 +292,39 @@ KEY_ALIASES: tuple[tuple[str, str], ...] = (
 MOVED_KEYS: tuple[tuple[str, str], ...] = (
     ("model.peft", "model_alignment_strategy.peft"),  # NxDT puts LoRA beside sft / dpo / orpo
 )
+
+
+#: ``model.activations_checkpoint_method`` values (NeMo's key; Megatron-core's ``recompute_method``).
+CHECKPOINT_METHODS: tuple[Optional[str], ...] = (None, "uniform", "block")
+
+
+def checkpoint_method_problems(granularity: Optional[str], method: Optional[str],
+                               num_layers: Optional[int]) -> List[str]:
+    """Problems (empty list: none) of ``model.activations_checkpoint_method`` / ``..._num_layers`` with the
+    given granularity, as NeMo / Megatron-core define the keys (``recompute_method``, ``recompute_num_layers``):
+
+    * ``block`` with ``full`` granularity: the first ``num_layers`` decoder layers of each pipeline stage are
+      checkpointed, the rest keep their activations (``num_layers`` >= 0; more than a stage holds means all).
+    * ``uniform`` (or null): every layer is checkpointed on its own; ``num_layers`` must be null or 1 (NeMo's
+      grouping of several layers into one checkpoint is not supported yet).
+
+    ``method`` must already be one of :data:`CHECKPOINT_METHODS` (the choice check names bad values).
+    """
+    p: List[str] = []
+    key = "model.activations_checkpoint_num_layers"
+    if method is not None and granularity != "full":
+        p.append(f"model.activations_checkpoint_method: {method!r} applies to "
+                 f"model.activations_checkpoint_granularity full (it is {granularity!r}), as in NeMo/Megatron; "
+                 "set the granularity to full or the method to null")
+    if method == "block":
+        if num_layers is None or num_layers < 0:
+            p.append(f"{key}: 'block' needs the number of decoder layers to checkpoint per pipeline stage "
+                     f"(an int >= 0), got {num_layers!r}")
+    elif num_layers is not None and num_layers != 1:
+        p.append(f"{key}: {num_layers} with method {method!r}: grouping several layers into one checkpoint "
+                 "(NeMo's 'uniform' with num_layers > 1) is not supported yet; use method block to "
+                 "checkpoint only the first N layers, or num_layers 1 / null to checkpoint every layer")
+    return p
 
 
 def register_configs() -> None:

@@ -23,7 +23,13 @@ from omegaconf.errors import OmegaConfBaseException
 from nxd_lc.config.alignment_schema import pretraining_data_problems, validate_alignment
 from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig, peft_problems
 from nxd_lc.config.resolvers import register_resolvers
-from nxd_lc.config.schema import KEY_ALIASES, MOVED_KEYS, NxdConfig
+from nxd_lc.config.schema import (
+    CHECKPOINT_METHODS,
+    KEY_ALIASES,
+    MOVED_KEYS,
+    NxdConfig,
+    checkpoint_method_problems,
+)
 
 log = logging.getLogger(__name__)
 
@@ -476,6 +482,9 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
         p.append("model.activations_checkpoint_save_attention: true keeps attention outputs inside checkpointed "
                  "modules, but model.activations_checkpoint_granularity is null (nothing is checkpointed); set "
                  "the granularity to full (or selective) or the key to false")
+    if m.activations_checkpoint_method in CHECKPOINT_METHODS:
+        p.extend(checkpoint_method_problems(m.activations_checkpoint_granularity, m.activations_checkpoint_method,
+                                            m.activations_checkpoint_num_layers))
     if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
         p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
                  "weights initialise this run)")
@@ -532,6 +541,7 @@ def _choice_problems(cfg: NxdConfig) -> list[str]:
          ("max", "min")),
         ("model.activations_checkpoint_granularity", cfg.model.activations_checkpoint_granularity,
          (None, "selective", "full")),
+        ("model.activations_checkpoint_method", cfg.model.activations_checkpoint_method, CHECKPOINT_METHODS),
         ("trainer.lnc", cfg.trainer.lnc, (None, 1, 2)),  # Trainium2 logical NeuronCore config
     ]
     for key, value, allowed in choices:

@@ -10,6 +10,11 @@ NxDT keys (``model:`` section):
   NxDT's ``LlamaRMSNorm`` is nxd_lc's ``RMSNorm``) are recomputed. Unlike NxDT, a name
   that matches no module class of the decoder layers is an error (NxDT silently skips it).
 
+``activations_checkpoint_method: block`` with ``activations_checkpoint_num_layers: N`` (NeMo's keys; Megatron-core's
+``recompute_method`` / ``recompute_num_layers``) -- with ``full`` granularity only the first ``N`` decoder layers
+of each pipeline stage are recomputed; the others keep their activations. A budget between full recomputation
+and none: memory and recompute time both scale with ``N``. ``uniform`` (or null) checkpoints every layer.
+
 ``activations_checkpoint_save_attention: true`` (nxd_lc; default false) -- inside every checkpointed module the
 attention kernel's outputs (``O [B, Hq, S, D]`` and its log-sum-exp) are kept from forward instead of recomputed:
 the recomputation re-runs the cheap ops (norms, projections, RoPE) but not the ``O(S^2)`` attention. Costs one
@@ -42,6 +47,7 @@ from torch import nn
 from torch.compiler import is_compiling
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from nxd_lc.config.schema import CHECKPOINT_METHODS, checkpoint_method_problems
 from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
 from nxd_lc.models.common.mlp import LlamaMLP
 
@@ -158,7 +164,8 @@ def _wrap(module: nn.Module, save_attention: bool = False) -> bool:
 
 
 def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
-                                   recompute: Sequence[str] | None = None, save_attention: bool = False) -> list[str]:
+                                   recompute: Sequence[str] | None = None, save_attention: bool = False,
+                                   method: str | None = None, num_layers: int | None = None) -> list[str]:
     """Make ``model`` recompute activations in backward per NxDT's granularity (see the module docstring).
 
     Args:
@@ -168,17 +175,28 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
             (must be a list or None) for the other granularities, as in NxDT.
         save_attention: keep the attention kernels' outputs inside the checkpointed modules
             (``model.activations_checkpoint_save_attention``; module docstring).
+        method: ``None`` / ``"uniform"`` (every layer) or ``"block"`` (the first ``num_layers`` layers this
+            process holds, i.e. per pipeline stage) with ``full`` granularity
+            (``model.activations_checkpoint_method``; module docstring).
+        num_layers: ``model.activations_checkpoint_num_layers``.
 
     Returns:
         Qualified names of the modules now checkpointed (empty for ``None``). Applying twice is a no-op.
 
     Raises:
-        ValueError: unknown granularity; ``selective`` with no names; a name that is not a module class of the
-            decoder layers (the message lists the valid names).
+        ValueError: unknown granularity or method; ``selective`` with no names; a name that is not a module
+            class of the decoder layers (the message lists the valid names); a method / num_layers combination
+            :func:`~nxd_lc.config.schema.checkpoint_method_problems` rejects.
     """
     if granularity not in GRANULARITIES:
         raise ValueError(f"model.activations_checkpoint_granularity: unknown value {granularity!r}; choose "
                          f"null, selective or full")
+    if method not in CHECKPOINT_METHODS:
+        raise ValueError(f"model.activations_checkpoint_method: unknown value {method!r}; choose null, uniform "
+                         "or block")
+    problems = checkpoint_method_problems(granularity, method, num_layers)
+    if problems:
+        raise ValueError("; ".join(problems))
     if granularity is None:
         if save_attention:
             raise ValueError("model.activations_checkpoint_save_attention: true needs "
@@ -186,6 +204,8 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         return []
     layers = decoder_layers(model)
     if granularity == "full":
+        if method == "block":  # Megatron's recompute_method 'block': the first N layers of this stage
+            layers = layers[:num_layers]
         targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
         targets = _selective_targets(model, layers, list(recompute or []))
@@ -252,4 +272,6 @@ def apply_memory_techniques(model: nn.Module, model_cfg: ModelConfig) -> list[st
     apply_tiled_mlp(model, model_cfg.tiled_mlp_chunk_size)
     return apply_activation_checkpointing(model, model_cfg.activations_checkpoint_granularity,
                                           model_cfg.activations_checkpoint_recompute,
-                                          model_cfg.activations_checkpoint_save_attention)
+                                          model_cfg.activations_checkpoint_save_attention,
+                                          model_cfg.activations_checkpoint_method,
+                                          model_cfg.activations_checkpoint_num_layers)
