@@ -48,6 +48,11 @@ CONFIGS: dict[str, dict[str, Any] | None] = {
     "memory_save_attention": {"activations_checkpoint_save_attention": True},
     "memory_save_attention_compiled": {"compile": True, "tiled_mlp_chunk_size": None,
                                        "activations_checkpoint_save_attention": True},
+    # NeMo's block method: the first N of the 4 layers checkpointed (attention kept), the rest not recomputed
+    "block2_compiled": {"compile": True, "tiled_mlp_chunk_size": None, "activations_checkpoint_save_attention": True,
+                        "activations_checkpoint_method": "block", "activations_checkpoint_num_layers": 2},
+    "block3_compiled": {"compile": True, "tiled_mlp_chunk_size": None, "activations_checkpoint_save_attention": True,
+                        "activations_checkpoint_method": "block", "activations_checkpoint_num_layers": 3},
     "selective": {"activations_checkpoint_granularity": "selective",
                   "activations_checkpoint_recompute": ["CoreAttention", "LlamaMLP"]},
     "no_recompute": {"activations_checkpoint_granularity": None, "tiled_mlp_chunk_size": None},
