@@ -52,15 +52,20 @@ demo: install
 
 test: $(TEST_LANES)
 
+# pytest-xdist: two workers (this project's CI machines have 2 cores; multi-process tests oversubscribe, which gloo
+# tolerates); a file's tests stay on one worker, in order, with their module fixtures. PYTEST_WORKERS=0: no xdist.
+PYTEST_WORKERS ?= 2
+XDIST := $(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist loadfile)
+
 test-fast: install-dev
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=20 tests
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=20 $(XDIST) tests
 
 # not part of `make test`: installs Debian's slurm-wlm + munge (root) and starts a local single-node cluster
 test-slurm: install-dev
 	examples/slurm/requeue_test.sh
 
 test-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 -m "(xla or compat) and not lane1_only" tests
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) -m "(xla or compat) and not lane1_only" tests
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py
