@@ -40,6 +40,19 @@ def test_rank_layout_kv_shared_group_is_consecutive_tp_ranks() -> None:
     assert parallel_state.rank_layout(4, 4, kv_replicator=4)["kv"] == [[0, 1, 2, 3]]
 
 
+def test_rank_layout_expert_parallel_is_carved_from_data_parallel() -> None:
+    """NxD's expert layout [PP, DP/EP, EP, TP]: dp_rank = edp_rank * EP + ep_rank. World 8, TP 2 (DP 4), EP 2:
+    the DP group of TP rank 0 is [0, 2, 4, 6] (dp ranks 0..3); EP pairs dp ranks {0, 1} and {2, 3}, the expert
+    replicas are dp ranks {0, 2} and {1, 3}."""
+    layout = parallel_state.rank_layout(8, 2, expert_model_parallel_size=2)
+    assert layout["dp"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert layout["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert layout["edp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with_cp = parallel_state.rank_layout(8, 1, context_parallel_size=2, expert_model_parallel_size=2)
+    assert with_cp["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]]  # DP ranks stride TP * CP = 2
+    assert with_cp["edp_cp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]  # same EP rank, any CP rank
+
+
 @pytest.mark.parametrize(
     ("world", "kwargs", "match"),
     [
@@ -47,6 +60,8 @@ def test_rank_layout_kv_shared_group_is_consecutive_tp_ranks() -> None:
         (8, {"tensor_model_parallel_size": 2, "context_parallel_size": 3}, "context_parallel_size"),
         (4, {"tensor_model_parallel_size": 4, "kv_replicator": 3}, "kv_replicator"),
         (4, {"tensor_model_parallel_size": 0}, "tensor_model_parallel_size"),
+        (8, {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 3}, "expert_model_parallel_size .3. "
+         "must divide the data-parallel size 4"),
     ],
 )
 def test_rank_layout_errors(world: int, kwargs: dict, match: str) -> None:

@@ -220,17 +220,16 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
     return _ReduceScatterToSP.apply(x)
 
 
-class _AllToAllCP(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
-        ctx.dims = (scatter_dim, gather_dim)
-        return collectives.all_to_all(x, scatter_dim, gather_dim, parallel_state.get_context_parallel_group())
+    def forward(ctx: Any, x: torch.Tensor, scatter_dim: int, gather_dim: int, group: Any) -> torch.Tensor:
+        ctx.dims, ctx.group = (scatter_dim, gather_dim), group
+        return collectives.all_to_all(x, scatter_dim, gather_dim, group)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         scatter_dim, gather_dim = ctx.dims
-        group = parallel_state.get_context_parallel_group()
-        return collectives.all_to_all(grad.contiguous(), gather_dim, scatter_dim, group), None, None
+        return collectives.all_to_all(grad.contiguous(), gather_dim, scatter_dim, ctx.group), None, None, None
 
 
 def all_to_all_context_parallel_region(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
@@ -244,5 +243,17 @@ def all_to_all_context_parallel_region(x: torch.Tensor, scatter_dim: int, gather
     Raises:
         ValueError: if ``x.shape[scatter_dim]`` is not divisible by the CP size.
     """
-    return _AllToAllCP.apply(x, scatter_dim, gather_dim)
+    return _AllToAll.apply(x, scatter_dim, gather_dim, parallel_state.get_context_parallel_group())
+
+
+def all_to_all_expert_parallel_region(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """All-to-all over the expert-parallel (EP) group, as :func:`all_to_all_context_parallel_region` over CP:
+    e.g. expert-major token slots ``[E, C, H]`` with ``scatter_dim=0, gather_dim=1`` -> ``[E/ep, ep*C, H]``
+    (each rank receives its experts' slots from every EP rank, in EP-rank order). Backward: the adjoint
+    all-to-all. Identity when the EP size is 1.
+
+    Raises:
+        ValueError: if ``x.shape[scatter_dim]`` is not divisible by the EP size.
+    """
+    return _AllToAll.apply(x, scatter_dim, gather_dim, parallel_state.get_expert_model_parallel_group())
 

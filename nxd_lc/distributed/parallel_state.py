@@ -8,6 +8,13 @@ fastest-varying index::
 so the TP group holds contiguous ranks, the CP group strides by TP, the DP group by TP*CP and
 the PP group by TP*CP*DP. ``DP = world / (TP * CP * PP)``.
 
+Expert parallelism (EP, NxD's ``expert_model_parallel_size``) is carved out of the DP ranks as NxD does
+(expert layout ``[PP, DP/EP, EP, TP]``): ``dp_rank = edp_rank * EP + ep_rank``. The EP group holds the EP
+consecutive DP ranks of one (PP, CP, TP) position (global ranks strided by TP*CP): they exchange tokens and each
+holds ``num_experts / EP`` experts. The expert-data-parallel group (``edp``) holds the ranks with the same EP rank
+(strided by TP*CP*EP): the replicas of the same experts, over which expert gradients are reduced (with CP:
+``edp_cp``). DP must be divisible by EP.
+
 KV-shared group: with ``kv_replicator = K > 1`` each KV head is held by K consecutive TP ranks
 (replicas laid out as ``K0 K0 .. K1 K1 ..``, NxD's "sequential" arrangement, which keeps the
 HF query-head order valid; NxD uses it on Trn2, while its Trn1 default interleaves replicas
@@ -34,6 +41,7 @@ class _State:
     dp: int
     pp: int
     kv_replicator: int
+    ep: int
     groups: dict[str, ProcessGroup]
     ranks: dict[str, list[int]]
     all_groups: list[ProcessGroup]
@@ -42,8 +50,9 @@ class _State:
 _STATE: _State | None = None
 
 
-def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int) -> dict[str, list[list[int]]]:
-    """All rank lists per group kind for the ``[PP, DP, CP, TP]`` layout (pure, no communication)."""
+def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int, ep: int = 1) -> dict[str, list[list[int]]]:
+    """All rank lists per group kind for the ``[PP, DP, CP, TP]`` layout, EP carved from DP (pure, no
+    communication)."""
 
     def rank(p: int, d: int, c: int, t: int) -> int:
         return ((p * dp + d) * cp + c) * tp + t
@@ -57,6 +66,9 @@ def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int) -> dict[str, lis
         "pp": lambda p, d, c, t: (d, c, t),
         "mp": lambda p, d, c, t: (d, c),
         "kv": lambda p, d, c, t: (p, d, c, t // kv),
+        "ep": lambda p, d, c, t: (p, d // ep, c, t),  # dp_rank = edp_rank * EP + ep_rank
+        "edp": lambda p, d, c, t: (p, d % ep, c, t),
+        "edp_cp": lambda p, d, c, t: (p, d % ep, t),
     }
     layout: dict[str, list[list[int]]] = {}
     for name, key in keys.items():
@@ -76,22 +88,25 @@ def rank_layout(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     kv_replicator: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> dict[str, list[list[int]]]:
     """Global-rank lists of every group, without creating any group.
 
     Returns a dict with keys ``tp``, ``cp``, ``dp``, ``dp_cp`` (DP x CP), ``pp``, ``mp`` (TP x PP,
-    the model-parallel group), ``kv`` (KV-shared) and ``emb`` (the first and last pipeline stage of each
-    DP/CP/TP position: tied embedding weights; middle stages belong to none), each a list of sorted rank lists.
+    the model-parallel group), ``kv`` (KV-shared), ``ep`` (expert parallel), ``edp`` / ``edp_cp`` (expert data
+    parallel, without / with CP) and ``emb`` (the first and last pipeline stage of each DP/CP/TP position: tied
+    embedding weights; middle stages belong to none), each a list of sorted rank lists.
 
     Raises:
-        ValueError: if a size is < 1, ``world_size`` is not divisible by TP*CP*PP, or TP is not
-            divisible by ``kv_replicator``.
+        ValueError: if a size is < 1, ``world_size`` is not divisible by TP*CP*PP, TP is not
+            divisible by ``kv_replicator``, or DP is not divisible by ``expert_model_parallel_size``.
     """
     sizes = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
         "pipeline_model_parallel_size": pipeline_model_parallel_size,
         "context_parallel_size": context_parallel_size,
         "kv_replicator": kv_replicator,
+        "expert_model_parallel_size": expert_model_parallel_size,
     }
     for key, value in sizes.items():
         if not isinstance(value, int) or value < 1:
@@ -109,9 +124,16 @@ def rank_layout(
             f"distributed_strategy.kv_replicator ({kv_replicator}) must divide "
             f"tensor_model_parallel_size ({tensor_model_parallel_size})"
         )
+    dp = world_size // model
+    if dp % expert_model_parallel_size != 0:
+        raise ValueError(
+            f"distributed_strategy.expert_model_parallel_size ({expert_model_parallel_size}) must divide the "
+            f"data-parallel size {dp} (world {world_size} / (tensor x context x pipeline parallel = {model})): "
+            f"expert parallelism is carved out of the data-parallel ranks, as in NxD"
+        )
     return _layout_groups(
-        tensor_model_parallel_size, context_parallel_size, world_size // model,
-        pipeline_model_parallel_size, kv_replicator,
+        tensor_model_parallel_size, context_parallel_size, dp,
+        pipeline_model_parallel_size, kv_replicator, expert_model_parallel_size,
     )
 
 
@@ -120,6 +142,7 @@ def initialize_model_parallel(
     pipeline_model_parallel_size: int = 1,
     context_parallel_size: int = 1,
     kv_replicator: int = 1,
+    expert_model_parallel_size: int = 1,
 ) -> None:
     """Create all parallel groups over the already-initialised default process group.
 
@@ -136,7 +159,7 @@ def initialize_model_parallel(
     world = collectives.get_global_world_size()
     layout = rank_layout(
         world, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
-        kv_replicator,
+        kv_replicator, expert_model_parallel_size,
     )
     me = collectives.get_global_rank()
     groups: dict[str, ProcessGroup] = {}
@@ -151,7 +174,8 @@ def initialize_model_parallel(
                 groups[name], ranks[name] = by_ranks[key], rank_list
     created = [g for g in by_ranks.values() if g is not None]
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
+    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, expert_model_parallel_size, groups, ranks,
+                    created)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -290,14 +314,44 @@ def get_kv_replicator() -> int:
     return 1 if state is None else state.kv_replicator
 
 
+def get_expert_model_parallel_group() -> ProcessGroup | None:
+    """EP group of this rank: the ``expert_model_parallel_size`` consecutive DP ranks of its (PP, CP, TP)
+    position, which exchange tokens (module docstring)."""
+    return _group("ep")
+
+
+def get_expert_model_parallel_rank() -> int:
+    """Rank inside the EP group: this rank holds experts ``[rank * E/EP, (rank + 1) * E/EP)``."""
+    return _rank("ep")
+
+
+def get_expert_model_parallel_world_size() -> int:
+    """EP group size (``expert_model_parallel_size``; 1 without torch.distributed)."""
+    return _size("ep")
+
+
+def get_expert_data_parallel_group(with_context_parallel: bool = False) -> ProcessGroup | None:
+    """Ranks holding replicas of this rank's experts (same EP, TP, PP rank; with CP ranks too when
+    ``with_context_parallel``): expert gradients are summed over it."""
+    return _group("edp_cp" if with_context_parallel else "edp")
+
+
+def get_expert_data_parallel_world_size(with_context_parallel: bool = False) -> int:
+    """Size of the expert-data-parallel group (DP / EP, times CP when ``with_context_parallel``)."""
+    return _size("edp_cp" if with_context_parallel else "edp")
+
+
+GROUP_NAMES = ("tp", "cp", "dp", "dp_cp", "pp", "mp", "kv", "ep", "edp", "edp_cp", "emb")
+
+
 def get_group_ranks(name: str) -> list[int]:
-    """Global ranks of this rank's group ``name`` (``tp``, ``cp``, ``dp``, ``dp_cp``, ``pp``, ``mp``,
-    ``kv``, ``emb``); ``[0]`` without torch.distributed (``[]`` for ``emb`` on a middle pipeline stage).
+    """Global ranks of this rank's group ``name`` (one of :data:`GROUP_NAMES`); ``[0]`` without
+    torch.distributed (``[]`` for ``emb`` on a middle pipeline stage).
 
     Raises:
         ValueError: for an unknown group name.
     """
-    if name not in ("tp", "cp", "dp", "dp_cp", "pp", "mp", "kv", "emb"):
+    if name not in GROUP_NAMES:
         raise ValueError(f"get_group_ranks: unknown group {name!r}")
     state = _state()
     return [0] if state is None else list(state.ranks.get(name, []))
