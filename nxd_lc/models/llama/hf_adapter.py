@@ -16,6 +16,17 @@ hidden ``H``, intermediate ``I``, vocab ``V``):
 
 Biases (``attention_bias`` / ``mlp_bias``) follow their weights' rows; row-parallel biases are replicated.
 
+Mixture-of-experts layers (:class:`~nxd_lc.models.mixtral.MixtralForCausalLM`; HF Mixtral's on-disk names, which
+transformers' ``save_pretrained`` writes; ``E`` experts, ``ep`` the EP size):
+
+    model.layers.N.block_sparse_moe.gate.weight           [E, H] -> layers.N.mlp.router.weight (replicated)
+    model.layers.N.block_sparse_moe.experts.e.w1.weight   [I, H] -> layers.N.mlp.experts.gate_up_proj [E/ep, 2I/tp, H]
+    model.layers.N.block_sparse_moe.experts.e.w3.weight   [I, H]    (gate rows then up rows of this TP rank, for
+                                                                     this EP rank's experts)
+    model.layers.N.block_sparse_moe.experts.e.w2.weight   [H, I] -> layers.N.mlp.experts.down_proj [E/ep, H, I/tp]
+
+Exporting mixture-of-experts weights back to HF is not supported yet.
+
 Loading (:func:`load_hf_weights`) opens the safetensors files with ``safe_open`` and reads each
 tensor through ``get_slice``, so a rank reads only its own TP shard (q/k/v: only its heads, the KV
 heads it replicates read once). :func:`export_hf_state_dict` all-gathers shards back to full HF
@@ -41,6 +52,7 @@ from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.gather import gather_pipeline_stages
 from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
 from nxd_lc.models.llama.model import LlamaForCausalLM
+from nxd_lc.moe.layer import MoE
 from nxd_lc.runtime.accel import HOST
 
 __all__ = ["FullTensors", "SafetensorsCheckpoint", "export_hf_state_dict", "load_hf_weights", "merge_tp_shards",
@@ -179,6 +191,9 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
             weight = getattr(layer, norm).weight
             out.append(_Entry("replicated", [f"{hp}.{norm}.weight"], {f"{p}.{norm}.weight": weight}))
         out += _attention_entries(f"{p}.self_attn", f"{hp}.self_attn", layer.self_attn)
+        if isinstance(layer.mlp, MoE):
+            out += _moe_entries(f"{p}.mlp", f"{hp}.block_sparse_moe", layer.mlp)
+            continue
         gate_up = layer.mlp.gate_up_proj
         for part in ("weight", "bias"):
             if getattr(gate_up, part, None) is not None:
@@ -193,6 +208,27 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
         out.append(_Entry("vocab", ["model.embed_tokens.weight"], {"lm_head.weight": model.lm_head.weight}))
     _check_coverage(model, out)
     return out
+
+
+def _moe_entries(p: str, hp: str, moe: MoE) -> list[_Entry]:
+    """Router (replicated) and this EP rank's experts (HF per-expert w1 / w3 / w2, module docstring)."""
+    experts = range(moe.experts.first_expert, moe.experts.first_expert + moe.experts.num_local_experts)
+    gate_up = [f"{hp}.experts.{e}.{w}.weight" for e in experts for w in ("w1", "w3")]
+    return [_Entry("replicated", [f"{hp}.gate.weight"], {f"{p}.router.weight": moe.router.weight}),
+            _Entry("experts_gate_up", gate_up, {f"{p}.experts.gate_up_proj": moe.experts.gate_up_proj}),
+            _Entry("experts_down", [f"{hp}.experts.{e}.w2.weight" for e in experts],
+                   {f"{p}.experts.down_proj": moe.experts.down_proj})]
+
+
+def _read_experts(ckpt: SafetensorsCheckpoint, e: _Entry, param: torch.Tensor) -> torch.Tensor:
+    """``[E/ep, 2I/tp, H]`` (each expert's gate rows then up rows of this TP rank) or ``[E/ep, H, I/tp]``
+    (each expert's down-projection columns of this TP rank), stacked over this EP rank's experts."""
+    if e.kind == "experts_gate_up":
+        half = torch.Size([param.shape[1] // 2, param.shape[2]])
+        pairs = zip(e.hf_names[0::2], e.hf_names[1::2])
+        return torch.stack([torch.cat([_read_shard(ckpt, w1, half, 0), _read_shard(ckpt, w3, half, 0)])
+                            for w1, w3 in pairs])
+    return torch.stack([_read_shard(ckpt, w2, param.shape[1:], 1) for w2 in e.hf_names])
 
 
 def _check_coverage(model: nn.Module, entries: list[_Entry]) -> None:
@@ -280,6 +316,8 @@ def _read_entry(ckpt: SafetensorsCheckpoint, e: _Entry, vocab_size: int) -> list
         return [_read_vocab(ckpt, e.hf_names[0], p, vocab_size)]
     if e.kind == "gate_up":
         return [_read_gate_up(ckpt, e, p)]
+    if e.kind in ("experts_gate_up", "experts_down"):
+        return [_read_experts(ckpt, e, p)]
     if e.kind == "replicated":
         _expect_shape(ckpt, e.hf_names[0], tuple(p.shape))
         return [ckpt.read(e.hf_names[0])]
@@ -330,7 +368,13 @@ def _on_other_stage(model: LlamaForCausalLM, hf_name: str) -> bool:
 
 
 def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
-    """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds)."""
+    """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds).
+
+    Raises:
+        NotImplementedError: mixture-of-experts weights (exporting them is not supported yet).
+    """
+    if e.kind.startswith("experts"):
+        raise NotImplementedError("exporting mixture-of-experts (Mixtral) weights to HF is not supported yet")
     if e.kind == "qkv":
         layer = e.module
         assert isinstance(layer, GQAQKVColumnParallelLinear)

@@ -348,7 +348,7 @@ class LlamaDecoderLayer(nn.Module):
     tiled_output_unused_in_recompute: ClassVar[bool] = True
 
     def __init__(self, config: LlamaConfig, *, sequence_parallel: bool, init_method: InitMethod,
-                 attn_kw: dict[str, Any], **layer_kw: Any) -> None:
+                 attn_kw: dict[str, Any], mlp: nn.Module | None = None, **layer_kw: Any) -> None:
         super().__init__()
         h, eps, sp = config.hidden_size, config.rms_norm_eps, sequence_parallel
         norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"]}
@@ -356,15 +356,23 @@ class LlamaDecoderLayer(nn.Module):
         self.self_attn = LlamaAttention(config, sequence_parallel=sp, init_method=init_method, **attn_kw,
                                         **layer_kw)
         self.post_attention_layernorm = RMSNorm(h, eps, sequence_parallel_enabled=sp, **norm_kw)
-        self.mlp = LlamaMLP(h, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)),
-                            sequence_parallel_enabled=sp, init_method=init_method, **layer_kw)
+        # the feed-forward block: a given one (e.g. nxd_lc.moe.MoE for a mixture-of-experts layer) or LlamaMLP
+        self.mlp = mlp if mlp is not None else LlamaMLP(
+            h, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)),
+            sequence_parallel_enabled=sp, init_method=init_method, **layer_kw)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
+                segment_ids: torch.Tensor | None = None,
+                kv_cache: LayerKVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """x [B, S(/tp), H], segment_ids [B, S] or None (see :class:`LlamaForCausalLM`), this layer's
-        ``kv_cache`` or None -> [B, S(/tp), H]."""
+        ``kv_cache`` or None -> [B, S(/tp), H]; ``(output, statistics)`` when the feed-forward block returns
+        statistics too (a mixture-of-experts layer's :class:`~nxd_lc.moe.routing.RouterStats`)."""
         h = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv_cache)
-        return h + self.mlp(self.post_attention_layernorm(h))
+        y = self.mlp(self.post_attention_layernorm(h))
+        if isinstance(y, tuple):
+            y, stats = y
+            return h + y, stats
+        return h + y
 
 
 class RemoteLayer(nn.Module):
@@ -431,7 +439,8 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList()
         for i in range(config.num_hidden_layers):
             layer = LlamaDecoderLayer(config, sequence_parallel=sequence_parallel, init_method=init,
-                                      attn_kw=attn_kw, **layer_kw)
+                                      attn_kw=attn_kw, mlp=self.build_mlp(i, config, sequence_parallel, init, layer_kw),
+                                      **layer_kw)
             self.layers.append(layer if i in keep else RemoteLayer(i))
             del layer
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, sequence_parallel_enabled=sequence_parallel,
@@ -449,6 +458,12 @@ class LlamaForCausalLM(nn.Module):
         self._keep_pipeline_part(keep_embedding, keep_head)
         # tokens per chunk of the tiled CE in loss(); None: untiled (set by apply_memory_techniques)
         self.tiled_loss_chunk_size: int | None = None
+
+    def build_mlp(self, index: int, config: LlamaConfig, sequence_parallel: bool, init_method: InitMethod,
+                  layer_kw: dict[str, Any]) -> nn.Module | None:
+        """The feed-forward block of decoder layer ``index``, or None for the dense :class:`LlamaMLP` (what
+        Llama uses everywhere; families with other blocks, e.g. mixture-of-experts layers, override this)."""
+        return None
 
     def _keep_pipeline_part(self, keep_embedding: bool, keep_head: bool) -> None:
         """Drop the embedding (not on the first pipeline stage) and the final norm + lm head (not on the last).
@@ -570,10 +585,19 @@ class LlamaForCausalLM(nn.Module):
         """
         for i in layer_ids:
             if kv_cache is None:
-                h = self.layers[i](h, cos, sin, segment_ids)
+                out = self.layers[i](h, cos, sin, segment_ids)
             else:
-                h = self.layers[i](h, cos, sin, segment_ids, kv_cache.layers[i])
+                out = self.layers[i](h, cos, sin, segment_ids, kv_cache.layers[i])
+            h = self.collect_layer_statistics(out)
         return h
+
+    def collect_layer_statistics(self, out: torch.Tensor | tuple[torch.Tensor, Any]) -> torch.Tensor:
+        """A decoder layer's output -> its hidden states [B, S(/tp), H]. Llama layers return only those; a
+        family whose layers also return statistics (mixture of experts) overrides this to keep them."""
+        if isinstance(out, tuple):
+            raise TypeError(f"{type(self).__name__}: a decoder layer returned statistics this model does not "
+                            "collect (a mixture-of-experts block in a Llama model?)")
+        return out
 
     def head_input(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm of the last layer's output h [B, S(/tp), H], entered into the TP region -> [B, S, H]

@@ -1,0 +1,141 @@
+"""nxd_lc's MixtralForCausalLM against transformers' MixtralForCausalLM with the same weights (loaded from the
+safetensors files transformers writes): loss with the router's load-balancing term, the aux loss itself, logits and
+every gradient, single-process and at TP 2 + SP and EP 2 (gloo)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from dist_utils import local_shard, run_distributed
+from transformers import MixtralConfig
+from transformers import MixtralForCausalLM as HFMixtral
+
+from nxd_lc.distributed import parallel_state
+from nxd_lc.models.llama.hf_adapter import load_hf_weights
+from nxd_lc.models.mixtral import MixtralForCausalLM, MoEOptions
+
+COEF = 0.05
+
+
+def _config() -> MixtralConfig:
+    return MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=24, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=COEF,
+                         tie_word_embeddings=False)
+
+
+def _save_hf(path: Path) -> None:
+    torch.manual_seed(0)
+    model = HFMixtral(_config())
+    with torch.no_grad():
+        for p in model.parameters():  # larger than HF's init so routing and experts matter
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+
+
+def _hf_reference(path: Path, ids: torch.Tensor) -> dict[str, Any]:
+    """transformers: loss (CE + coef * aux), aux, logits and gradients under nxd_lc's parameter names (full)."""
+    model = HFMixtral.from_pretrained(path, attn_implementation="eager").float()
+    out = model(input_ids=ids, labels=ids)
+    out.loss.backward()
+    g = {n: p.grad for n, p in model.named_parameters()}
+    grads = {"embed_tokens.weight": g["model.embed_tokens.weight"], "norm.weight": g["model.norm.weight"],
+             "lm_head.weight": g["lm_head.weight"]}
+    for i in range(model.config.num_hidden_layers):
+        hp, p = f"model.layers.{i}", f"layers.{i}"
+        attn = [g[f"{hp}.self_attn.{n}_proj.weight"] for n in "qkv"]
+        grads.update({
+            f"{p}.input_layernorm.weight": g[f"{hp}.input_layernorm.weight"],
+            f"{p}.post_attention_layernorm.weight": g[f"{hp}.post_attention_layernorm.weight"],
+            f"{p}.self_attn.qkv_proj.weight_qkv": torch.cat(attn),
+            f"{p}.self_attn.o_proj.weight": g[f"{hp}.self_attn.o_proj.weight"],
+            f"{p}.mlp.router.weight": g[f"{hp}.mlp.gate.weight"],
+            f"{p}.mlp.experts.gate_up_proj": g[f"{hp}.mlp.experts.gate_up_proj"],
+            f"{p}.mlp.experts.down_proj": g[f"{hp}.mlp.experts.down_proj"],
+        })
+    return {"loss": out.loss.detach(), "aux": out.aux_loss.detach(), "logits": out.logits.detach(), "grads": grads}
+
+
+def _labels(ids: torch.Tensor) -> torch.Tensor:
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def _shard(model: torch.nn.Module, name: str, full: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a full tensor: experts split over EP first, then TP as :func:`local_shard`."""
+    if getattr(model.get_parameter(name), "expert_model_parallel", False):
+        full = full.chunk(parallel_state.get_expert_model_parallel_world_size())[
+            parallel_state.get_expert_model_parallel_rank()]
+    return local_shard(model, name, full)
+
+
+def _check(model: MixtralForCausalLM, ids: torch.Tensor, ref: dict[str, Any], expert_grads: dict[str, torch.Tensor],
+           sp: bool, msg: str) -> None:
+    model.zero_grad(set_to_none=True)
+    loss_sum, num = model.loss(ids, _labels(ids))
+    loss = loss_sum / num
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), ref["loss"], atol=1e-5, rtol=1e-5, msg=f"{msg} loss")
+    torch.testing.assert_close(model.aux_loss().detach(), ref["aux"], atol=1e-6, rtol=1e-5, msg=f"{msg} aux")
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    for name, param in model.named_parameters():
+        grad = param.grad
+        if sp and getattr(param, "sequence_parallel_enabled", False) and tp_group is not None:
+            grad = grad.clone()  # norms and the router see this rank's tokens: summed over TP in training
+            torch.distributed.all_reduce(grad, group=tp_group)
+        want = expert_grads.get(name, ref["grads"][name])
+        torch.testing.assert_close(grad, _shard(model, name, want), atol=2e-5, rtol=1e-4, msg=f"{msg} {name}")
+
+
+def _ids(seed: int) -> torch.Tensor:
+    return torch.randint(0, 96, (2, 12), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.compat  # torch-2.9 compatibility subset (lane 2)
+def test_single_process_matches_transformers(tmp_path: Path) -> None:
+    _save_hf(tmp_path)
+    ids = _ids(0)
+    ref = _hf_reference(tmp_path, ids)
+    model = MixtralForCausalLM(_config())
+    load_hf_weights(model, tmp_path)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids)[..., :96], ref["logits"], atol=1e-5, rtol=1e-5)
+    _check(model, ids, ref, {}, sp=False, msg="tp1")
+    assert ref["aux"] > 0
+
+
+def test_frequency_and_unsupported_settings() -> None:
+    model = MixtralForCausalLM(_config(), moe=MoEOptions(frequency=2))
+    kinds = [type(layer.mlp).__name__ for layer in model.layers]
+    assert kinds == ["MoE", "LlamaMLP"]  # layer 0 % 2 == 0 is MoE, as NxDT's HF Mixtral
+    cfg = _config()
+    cfg.router_jitter_noise = 0.1
+    with pytest.raises(ValueError, match="router_jitter_noise 0.1 .*not supported yet"):
+        MixtralForCausalLM(cfg)
+    with pytest.raises(ValueError, match="pipeline parallelism with mixture-of-experts layers is not supported yet"):
+        MixtralForCausalLM(_config(), keep_layers=[0])
+    with pytest.raises(ValueError, match="model.moe.frequency must be >= 1"):
+        MixtralForCausalLM(_config(), moe=MoEOptions(frequency=0))
+
+
+def _dist_worker(rank: int, world: int, path: str, tp: int, ep: int, sp: bool) -> None:
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    dp_ranks = parallel_state.get_group_ranks("dp")
+    refs = [_hf_reference(Path(path), _ids(d)) for d in range(len(dp_ranks))]  # one micro-batch per DP rank
+    mine = refs[parallel_state.get_data_parallel_rank()]
+    ep_peers = [dp_ranks.index(r) for r in parallel_state.get_group_ranks("ep")]
+    expert_grads = {n: sum(refs[d]["grads"][n] for d in ep_peers) for n in mine["grads"] if ".experts." in n}
+    model = MixtralForCausalLM(_config(), sequence_parallel=sp)
+    load_hf_weights(model, path)
+    _check(model, _ids(parallel_state.get_data_parallel_rank()), mine, expert_grads, sp,
+           msg=f"tp={tp} ep={ep} sp={sp} rank={rank}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("tp", "ep", "sp"), [(2, 1, True), (1, 2, False)], ids=["tp2_sp", "ep2"])
+def test_parallel_matches_transformers(tmp_path: Path, tp: int, ep: int, sp: bool) -> None:
+    """EP 2 is carved from DP 2: each rank has its own micro-batch; an expert's gradient sums both ranks'."""
+    _save_hf(tmp_path)
+    run_distributed(_dist_worker, 2, str(tmp_path), tp, ep, sp)
