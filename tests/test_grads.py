@@ -172,3 +172,27 @@ def test_single_process_norm_matches_torch() -> None:
         grads.clip_grad_norm_(model.parameters(), max_norm=0.0)
     with pytest.raises(ValueError, match="norm_type"):
         grads.global_grad_norm(model.parameters(), norm_type=-1.0)
+
+
+def _expert_reduction_worker(rank: int, world: int) -> None:
+    """World 4, EP 2 carved from DP 4: EP groups {0, 1}, {2, 3}; replicas of the same experts {0, 2}, {1, 3}."""
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+    dense = torch.nn.Parameter(torch.zeros(3))
+    expert = torch.nn.Parameter(torch.zeros(2))
+    expert.expert_model_parallel = True
+    dense.grad = torch.full((3,), float(rank + 1))
+    expert.grad = (rank + 1) * torch.tensor([1.0, 2.0])
+    grads.allreduce_data_parallel_gradients([dense, expert])
+    torch.testing.assert_close(dense.grad, torch.full((3,), 2.5))  # (1 + 2 + 3 + 4) / 4
+    # expert gradient: summed over its replicas (ranks of the same EP rank), divided by DP = 4
+    want = (1 + 3) / 4 if rank in (0, 2) else (2 + 4) / 4
+    torch.testing.assert_close(expert.grad, want * torch.tensor([1.0, 2.0]))
+    # unique pieces: dense 3 x 2.5; EP rank 0's experts 1.0 x [1, 2]; EP rank 1's 1.5 x [1, 2]
+    norm = grads.global_grad_norm([dense, expert])
+    torch.testing.assert_close(norm, torch.tensor(35.0).sqrt())
+    torch.testing.assert_close(grads.global_grad_norm([dense, expert], norm_type=float("inf")), torch.tensor(3.0))
+
+
+@pytest.mark.distributed
+def test_expert_gradients_reduced_over_their_replicas_and_counted_once_per_ep_rank() -> None:
+    run_distributed(_expert_reduction_worker, 4)

@@ -8,7 +8,10 @@ Call order after ``loss.backward()`` (each step, before the optimizer):
 2. :func:`allreduce_kv_replica_gradients` - KV heads replicated by ``kv_replicator`` (flag
    ``kv_replicated``, optionally only rows ``kv_replicated_rows=(start, stop)`` of dim 0) each saw
    the queries of one rank: the replicas' gradients are summed over the KV-shared group.
-3. :func:`allreduce_data_parallel_gradients` - average over DP (x CP).
+3. :func:`allreduce_data_parallel_gradients` - average over DP (x CP). Expert parameters (flag
+   ``expert_model_parallel``; each EP rank holds other experts, which already received the tokens of every EP
+   rank through the all-to-all) are summed over the expert-data-parallel group (x CP) and divided by DP (x CP):
+   the same average of every DP rank's loss gradient.
 3b. :func:`allreduce_tied_embedding_gradients` - pipeline: tied embedding and its lm-head copy summed over
    the first and last stage (the copy is then skipped by the norms).
 4. :func:`clip_grad_norm_` / :func:`global_grad_norm`.
@@ -18,7 +21,8 @@ every rank: TP-sharded parameters contribute on every TP rank, TP-replicated one
 0, KV replicas only on KV-shared-group rank 0; the sums are all-reduced over the model-parallel
 (TP x PP) group. DP (x CP) replicas hold identical gradients after step 3, so they are not
 summed (unless ``data_parallel_sharded``, e.g. ZeRO-1 shards, where each DP rank holds a disjoint
-part). ``params`` must be ``nn.Parameter`` objects so that these attributes can be read.
+part). Expert parameters differ between the ranks of an EP group: their part of the sum is all-reduced over the
+EP group first. ``params`` must be ``nn.Parameter`` objects so that these attributes can be read.
 """
 
 from __future__ import annotations
@@ -114,9 +118,19 @@ def allreduce_data_parallel_gradients(
     or the local mean when every rank holds the same number of loss tokens).
     Parameters without a gradient are skipped (they must be the same on all ranks).
     """
-    grads = [g for g in map(grad_of, params) if g is not None]
+    dense: list[torch.Tensor] = []
+    experts: list[torch.Tensor] = []
+    for p in params:
+        if (g := grad_of(p)) is not None:
+            (experts if getattr(p, "expert_model_parallel", False) else dense).append(g)
     group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
-    _coalesced_all_reduce(grads, group, op="avg", bucket_size_mb=bucket_size_mb)
+    _coalesced_all_reduce(dense, group, op="avg", bucket_size_mb=bucket_size_mb)
+    if experts:  # sum over the replicas of these experts, then the DP (x CP) mean
+        edp = parallel_state.get_expert_data_parallel_group(with_context_parallel=with_context_parallel)
+        _coalesced_all_reduce(experts, edp, op="sum", bucket_size_mb=bucket_size_mb)
+        size = parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
+        for g in experts:
+            g.div_(size)
 
 
 def allreduce_tied_embedding_gradients(params: Iterable[nn.Parameter]) -> None:
@@ -150,15 +164,23 @@ def _global_norm(
     if norm_type <= 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type}")
     device = pairs[0][1].device if pairs else HOST
-    parts = [t for p, x in pairs for t in _norm_parts(p, x) if t.numel() > 0]
-    norms = [torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device) for t in parts]
-    if math.isinf(norm_type):
-        local = torch.stack(norms).max() if norms else torch.zeros((), device=device)
-        op = "max"
-    else:
-        local = torch.stack(norms).pow(norm_type).sum() if norms else torch.zeros((), device=device)
-        op = "sum"
-    total = collectives.all_reduce(local.reshape(1), parallel_state.get_model_parallel_group(), op=op)
+    op = "max" if math.isinf(norm_type) else "sum"
+
+    def local_part(selected: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor:
+        parts = [t for p, x in selected for t in _norm_parts(p, x) if t.numel() > 0]
+        norms = [torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device) for t in parts]
+        if not norms:
+            return torch.zeros(1, device=device)
+        stacked = torch.stack(norms)
+        return (stacked.max() if op == "max" else stacked.pow(norm_type).sum()).reshape(1)
+
+    local = local_part([(p, x) for p, x in pairs if not getattr(p, "expert_model_parallel", False)])
+    experts = [(p, x) for p, x in pairs if getattr(p, "expert_model_parallel", False)]
+    if parallel_state.get_expert_model_parallel_world_size() > 1 or experts:  # every EP rank joins
+        expert_part = collectives.all_reduce(local_part(experts), parallel_state.get_expert_model_parallel_group(),
+                                             op=op)
+        local = torch.maximum(local, expert_part) if op == "max" else local + expert_part
+    total = collectives.all_reduce(local, parallel_state.get_model_parallel_group(), op=op)
     if data_parallel_sharded:
         total = collectives.all_reduce(total, parallel_state.get_data_parallel_group(True), op=op)
     total = total[0]
