@@ -401,10 +401,26 @@ def hydra_defaults() -> list[str]:
     return ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
 
 
+def _shutdown_distributed() -> None:
+    """Release nxd_lc's process groups and the default one (local, not collective): the process then exits
+    without gloo / NCCL threads still running during interpreter shutdown, which aborted a rank with
+    "terminate called without an active exception" (exit status -6 after a finished run)."""
+    import torch.distributed as dist
+
+    from nxd_lc.distributed import parallel_state as ps
+
+    if dist.is_available() and dist.is_initialized():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
 def hydra_task(raw: DictConfig) -> None:
-    """The ``@hydra.main`` body: run, turning a ConfigError into a message and exit status 2."""
+    """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2; the
+    process groups are released at the end, whatever the outcome."""
     try:
         run(raw)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    finally:
+        _shutdown_distributed()
