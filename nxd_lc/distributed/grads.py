@@ -176,10 +176,9 @@ def _global_norm(
 
     local = local_part([(p, x) for p, x in pairs if not getattr(p, "expert_model_parallel", False)])
     experts = [(p, x) for p, x in pairs if getattr(p, "expert_model_parallel", False)]
-    if parallel_state.get_expert_model_parallel_world_size() > 1 or experts:  # every EP rank joins
-        expert_part = collectives.all_reduce(local_part(experts), parallel_state.get_expert_model_parallel_group(),
-                                             op=op)
-        local = torch.maximum(local, expert_part) if op == "max" else local + expert_part
+    # every EP rank joins (a no-op without EP); norms are >= 0, so a rank without experts adds a neutral 0
+    expert_part = collectives.all_reduce(local_part(experts), parallel_state.get_expert_model_parallel_group(), op=op)
+    local = torch.maximum(local, expert_part) if op == "max" else local + expert_part
     total = collectives.all_reduce(local, parallel_state.get_model_parallel_group(), op=op)
     if data_parallel_sharded:
         total = collectives.all_reduce(total, parallel_state.get_data_parallel_group(True), op=op)

@@ -41,7 +41,6 @@ class _State:
     dp: int
     pp: int
     kv_replicator: int
-    ep: int
     groups: dict[str, ProcessGroup]
     ranks: dict[str, list[int]]
     all_groups: list[ProcessGroup]
@@ -174,8 +173,7 @@ def initialize_model_parallel(
                 groups[name], ranks[name] = by_ranks[key], rank_list
     created = [g for g in by_ranks.values() if g is not None]
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, expert_model_parallel_size, groups, ranks,
-                    created)
+    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
 
 
 def model_parallel_is_initialized() -> bool:

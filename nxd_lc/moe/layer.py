@@ -49,7 +49,7 @@ from nxd_lc.distributed.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
-from nxd_lc.layers.linear import InitMethod, mark_parameter, split_tensor_for_rank
+from nxd_lc.layers.linear import InitMethod, init_parameter, mark_parameter, split_tensor_for_rank
 from nxd_lc.moe.routing import RouterStats, expert_capacity, route_top_k
 from nxd_lc.runtime.accel import HOST
 
@@ -143,13 +143,10 @@ class MoE(nn.Module):
         self.capacity_factor = None if dropless or not capacity_factor or capacity_factor <= 0 else capacity_factor
         self.normalize_top_k_affinities = normalize_top_k_affinities
         self.sequence_parallel = sequence_parallel
-        router = torch.empty(num_experts, hidden_size, dtype=torch.float32, device=HOST)
-        init_method(router)
-        device = torch.device(device) if device is not None else torch.get_default_device()
-        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=torch.float32)
-        with torch.no_grad():
-            self.router.weight.copy_(router)
-        mark_parameter(self.router.weight, None)
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device="meta")  # weight replaced below
+        # full [E, H] fp32 weight initialised on the host (same values at every layout), TP-replicated
+        self.router.weight = init_parameter((num_experts, hidden_size), None, init_method, torch.float32, device,
+                                            use_cpu_initialization=True)
         self.router.weight.sequence_parallel_enabled = sequence_parallel  # grads summed over TP (local tokens)
         self.experts = ExpertMLPs(num_experts, hidden_size, intermediate_size, init_method, dtype, device)
 
