@@ -29,6 +29,7 @@ from nxd_lc.config.validate import (
     model_seq_length,
     path_problems,
     peft_config,
+    read_model_json,
     resolve_path,
     seq_length,
     unsupported_features,
@@ -77,15 +78,20 @@ def _drop_yarn_override(hf_overrides: dict[str, Any], rope_theta: Any, seq: int,
 
 
 def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
-    """``(transformers LlamaConfig, LlamaForCausalLM)`` of a run: config.json + YAML overrides +
-    ``hf_config_overrides``, sharded for this rank, HF weights loaded (``model.hf_weights_dir``), memory techniques
-    applied. Needs ``parallel_state`` initialised (or a single process). Shared by training, the checkpoint
-    converter and the evaluation, so all three build the same model.
+    """``(transformers config, model)`` of a run: config.json + YAML overrides + ``hf_config_overrides`` (+ the
+    ``model.moe`` keys for a mixture-of-experts config.json), sharded for this rank, HF weights loaded
+    (``model.hf_weights_dir``), memory techniques applied. The model is a
+    :class:`~nxd_lc.models.llama.LlamaForCausalLM` for ``model_type: llama`` and a
+    :class:`~nxd_lc.models.mixtral.MixtralForCausalLM` for ``mixtral``. Needs ``parallel_state`` initialised (or a
+    single process). Shared by training, the checkpoint converter and the evaluation, so all three build the same
+    model.
     """
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
+    from nxd_lc.models.mixtral import MixtralForCausalLM
+    from nxd_lc.moe.config import is_moe_model, moe_hf_overrides, moe_options
 
     m, ds = cfg.model, cfg.distributed_strategy
     overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
@@ -98,12 +104,16 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
             rs.get("original_max_position_embeddings") or seq):
         hf_overrides = _drop_yarn_override(hf_overrides, rs.get("rope_theta"), seq,
                                            rs["original_max_position_embeddings"])
+    moe = is_moe_model(read_model_json(cfg))
+    if moe:  # model.moe keys set the HF config's expert fields (NxDT's HF Mixtral does the same)
+        hf_overrides = {**hf_overrides, **moe_hf_overrides(m.moe)}
     hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides or None)
     warn_if_rope_scaling_is_noop(hf_config, seq)  # config.json's own scaling stays applied, with a warning
-    model = LlamaForCausalLM(hf_config, sequence_parallel=ds.sequence_parallel, kv_replicator=ds.kv_replicator,
-                             fuse_qkv=m.fuse_qkv, qkv_linear=m.qkv_linear,
-                             flash_attention=m.fusions.flash_attention,
-                             use_cpu_initialization=m.use_cpu_initialization, **_pipeline_part(cfg, hf_config))
+    common = {"sequence_parallel": ds.sequence_parallel, "kv_replicator": ds.kv_replicator, "fuse_qkv": m.fuse_qkv,
+              "qkv_linear": m.qkv_linear, "flash_attention": m.fusions.flash_attention,
+              "use_cpu_initialization": m.use_cpu_initialization, **_pipeline_part(cfg, hf_config)}
+    model = MixtralForCausalLM(hf_config, moe=moe_options(m.moe), **common) if moe else \
+        LlamaForCausalLM(hf_config, **common)
     if m.hf_weights_dir:
         _load_hf_weights(cfg, model, resolve_path(m.hf_weights_dir), load_hf_weights)
     checkpointed = apply_memory_techniques(model, m)
@@ -214,10 +224,16 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
     saved = saved_layout(os.path.join(root, tag))
     moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
                                      ps.get_pipeline_model_parallel_world_size())
+    ep = ps.get_expert_model_parallel_world_size()
+    if saved.ep != ep or (moves and ep > 1):
+        raise ValueError(f"exp_manager.resume_from_checkpoint {checkpoint_path} (model.weight_init_only): saved with "
+                         f"TP {saved.tp}, PP {saved.pp}, EP {saved.ep}; re-sharding experts is not supported yet: "
+                         "use the saved tensor / pipeline / expert_model_parallel sizes")
     state, _, _ = sharded.load_checkpoint(root, tag, dp_rank=ps.get_data_parallel_rank(),
                                           tp_rank=ps.get_tensor_model_parallel_rank(),
                                           pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False,
-                                          read_model=not moves)
+                                          read_model=not moves,
+                                          ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
     prefix = "model."
     if moves:  # saved at another TP / PP layout: this rank's weights are rebuilt from the saved shards
         template = {prefix + k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
@@ -300,7 +316,8 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     ds = cfg.distributed_strategy
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
-                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
+                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator,
+                                 expert_model_parallel_size=ds.expert_model_parallel_size)
     set_context_parallel_algo(ds.context_parallel_algo)
     mark("distributed_init_s")
     set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)

@@ -182,7 +182,7 @@ def test_unsupported_combinations_are_config_errors() -> None:
     problems = "\n".join(_precision_problems(cfg))
     assert "precision.parallel_layers_reduce_dtype: unknown value 'fp16'" in problems
     assert "use_master_weights_in_ckpt: precision.type bf16SR keeps no fp32 master weights" in problems
-    assert "only read with precision.type manual" in problems
+    assert "precision.master_weights: true contradicts precision.type bf16SR" in problems
 
 
 def _reduce_dtype_worker(rank: int, world: int, name: Optional[str], expected: str) -> None:

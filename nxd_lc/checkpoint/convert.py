@@ -177,10 +177,14 @@ def checkpoint_parallel_sizes(tag_dir: str) -> tuple[int, int]:
 
     Raises:
         FileNotFoundError: no model shards, or the shard of a (TP, PP) rank is missing (incomplete checkpoint).
+        NotImplementedError: the checkpoint was saved with expert parallelism (converting it is not supported yet).
     """
     from nxd_lc.checkpoint.reshard import saved_layout
 
     saved = saved_layout(tag_dir)
+    if saved.ep > 1:
+        raise NotImplementedError(f"checkpoint {tag_dir} was saved with expert_model_parallel_size {saved.ep}: "
+                                  "converting expert-parallel (mixture-of-experts) checkpoints is not supported yet")
     return saved.tp, saved.pp
 
 

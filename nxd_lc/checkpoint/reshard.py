@@ -55,11 +55,13 @@ class SavedLayout:
         pp: pipeline_model_parallel_size.
         optim_dp: number of optimizer shards per (TP, PP) position (> 1: ZeRO-1 over that many DP x CP ranks;
             1: unsharded, or ZeRO-1 over one rank; 0: no optimizer state).
+        ep: expert_model_parallel_size (1: model files without ``ep_rank``).
     """
 
     tp: int
     pp: int
     optim_dp: int
+    ep: int = 1
 
 
 def saved_layout(tag_dir: str) -> SavedLayout:
@@ -74,13 +76,16 @@ def saved_layout(tag_dir: str) -> SavedLayout:
         raise FileNotFoundError(f"checkpoint {tag_dir} has no model shards in {sharded.MODEL_DIR}/ "
                                 "(dp_rank_00_tp_rank_XX_pp_rank_XX.pt)")
     tp, pp = max(tps) + 1, max(pps) + 1
-    missing = [(t, p) for t in range(tp) for p in range(pp)
-               if not os.path.exists(os.path.join(folder, sharded.checkpoint_file_name(0, t, p)))]
+    eps = sharded.ep_ranks_found(folder)
+    ep_ranks: list[int | None] = list(range(max(eps) + 1)) if eps else [None]
+    missing = [(t, p) if e is None else (e, t, p) for e in ep_ranks for t in range(tp) for p in range(pp)
+               if not os.path.exists(os.path.join(folder, sharded.checkpoint_file_name(0, t, p, e)))]
     if missing:
-        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of (TP rank, PP rank) {missing}"
+        what = "(TP rank, PP rank)" if eps == set() else "(EP rank, TP rank, PP rank)"
+        raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of {what} {missing}"
                                 f" (of TP size {tp}, PP size {pp}) are missing")
     dps, _, _ = sharded._ranks_found(os.path.join(tag_dir, sharded.OPTIM_DIR))
-    return SavedLayout(tp=tp, pp=pp, optim_dp=max(dps) + 1 if dps else 0)
+    return SavedLayout(tp=tp, pp=pp, optim_dp=max(dps) + 1 if dps else 0, ep=len(ep_ranks))
 
 
 def _read(tag_dir: str, sub: str, dp: int, tp: int, pp: int, xser: bool) -> Any:

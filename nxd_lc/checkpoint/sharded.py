@@ -13,7 +13,11 @@ Layout (NxD ``neuronx_distributed.trainer.checkpoint``)::
         done                                   # completion marker (JSON: tag, step, time, manifest), last
 
 With xser each shard ``<f>.pt`` is a structure file plus ``<f>.pt.tensors/tensor_<i>.pt``
-(:mod:`nxd_lc.checkpoint.xser`). ``newest`` follows NxD 2.16 (the last line is the newest tag);
+(:mod:`nxd_lc.checkpoint.xser`). With expert parallelism (EP > 1) each EP rank holds other experts, so model
+shards (and optimizer shards saved without zero1) carry the EP rank as NxD names them,
+``dp_rank_00_ep_rank_XX_tp_rank_XX_pp_rank_XX.pt``, written by expert-data-parallel rank 0 of each
+(EP, TP, PP) position; ZeRO-1 optimizer shards stay ``dp_rank_<DP x CP rank>_tp_rank_XX_pp_rank_XX.pt``.
+``newest`` follows NxD 2.16 (the last line is the newest tag);
 later NxD releases find checkpoints by their ``done`` file instead, which we also write.
 
 Atomicity (our addition; NxD writes in place): every rank writes into the hidden staging
@@ -63,22 +67,25 @@ USER_CONTENT_FILE = "user_content.pt"
 DONE_FILE = "done"
 NEWEST_FILE = "newest"
 CHECKPOINT_MARKER = "checkpoint"
-_SHARD_RE = re.compile(r"^dp_rank_(\d+)_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
+_SHARD_RE = re.compile(r"^dp_rank_(\d+)(?:_ep_rank_(?P<ep>\d+))?_tp_rank_(\d+)_pp_rank_(\d+)\.pt$")
 _PARTIAL_RE = re.compile(r"^\.(?P<tag>.+)\.partial$")
 _TRASH_RE = re.compile(r"^\..+\.trash-[0-9a-f]{32}$")
 _BF16_SOURCE_DTYPES = (torch.float16, torch.float32, torch.float64)
 
 
-def checkpoint_file_name(dp_rank: int, tp_rank: int, pp_rank: int) -> str:
-    """NxD shard file name, e.g. ``(0, 1, 0) -> "dp_rank_00_tp_rank_01_pp_rank_00.pt"``.
+def checkpoint_file_name(dp_rank: int, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """NxD shard file name, e.g. ``(0, 1, 0) -> "dp_rank_00_tp_rank_01_pp_rank_00.pt"``; with an ``ep_rank``
+    (expert parallelism) ``(0, 1, 0, 3) -> "dp_rank_00_ep_rank_03_tp_rank_01_pp_rank_00.pt"``.
 
     Raises:
         ValueError: a rank is not a non-negative int.
     """
-    for name, r in (("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank)):
+    ranks = (("dp_rank", dp_rank), ("tp_rank", tp_rank), ("pp_rank", pp_rank))
+    for name, r in ranks + ((("ep_rank", ep_rank),) if ep_rank is not None else ()):
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"{name} must be a non-negative int, got {r!r}")
-    return f"dp_rank_{dp_rank:02d}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
+    ep = f"_ep_rank_{ep_rank:02d}" if ep_rank is not None else ""
+    return f"dp_rank_{dp_rank:02d}{ep}_tp_rank_{tp_rank:02d}_pp_rank_{pp_rank:02d}.pt"
 
 
 def _check_tag(tag: str) -> None:
@@ -253,7 +260,8 @@ def _noop() -> None:
 def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
                      dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                      write_optim: bool, use_xser: bool, save_bf16: bool = False,
-                     step: int | None = None) -> StagedSave:
+                     step: int | None = None, ep_rank: int | None = None,
+                     optim_sharded: bool = False) -> StagedSave:
     """Collective first phase of a save: rank 0 creates the staging directory ``<ckpt_root>/.<tag>.partial``.
 
     Arguments as :func:`save_checkpoint`. The returned :class:`StagedSave` holds references to the given
@@ -264,21 +272,22 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
         RuntimeError: preparing the staging directory failed on another rank.
     """
     _check_tag(tag)
-    checkpoint_file_name(dp_rank, tp_rank, pp_rank)
+    checkpoint_file_name(dp_rank, tp_rank, pp_rank, ep_rank)
     if write_model and model_state is None:
         raise ValueError("save_checkpoint: write_model=True but model_state is None")
     if write_optim and optim_state is None:
         raise ValueError("save_checkpoint: write_optim=True but optim_state is None")
-    if write_model and dp_rank != 0:
+    if write_model and dp_rank != 0 and not optim_sharded:
         raise ValueError(f"save_checkpoint: model shards are written by DP rank 0 only (NxD layout), got "
                          f"write_model=True on dp_rank={dp_rank}; pass write_model=(dp_rank == 0)")
     staging = _staging_dir(ckpt_root, tag)
     files: list[tuple[str, Any, bool]] = []
     if write_model:
         state = map_tensors(model_state, _to_bf16) if save_bf16 else model_state
-        files.append((f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank)}", state, use_xser))
+        files.append((f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank, ep_rank)}", state, use_xser))
     if write_optim:
-        files.append((f"{OPTIM_DIR}/{checkpoint_file_name(dp_rank, tp_rank, pp_rank)}", optim_state, use_xser))
+        name = checkpoint_file_name(dp_rank, tp_rank, pp_rank, None if optim_sharded else ep_rank)
+        files.append((f"{OPTIM_DIR}/{name}", optim_state, use_xser))
     _collective_phase("preparation", tag, (lambda: _prepare_staging(ckpt_root, staging)) if is_global_zero else _noop)
     return StagedSave(ckpt_root=ckpt_root, tag=tag, staging=staging, is_global_zero=is_global_zero,
                       step=_step_of(step, user_content), files=files,
@@ -288,7 +297,7 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
 def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
                     dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
-                    step: int | None = None) -> str:
+                    step: int | None = None, ep_rank: int | None = None, optim_sharded: bool = False) -> str:
     """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic, checksummed.
 
     Every rank of the world group must call it (also ranks that write nothing): it votes three
@@ -314,6 +323,10 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
             dtypes and the optimizer state are saved unchanged.
         step: training step recorded in ``done`` for ordering; default ``user_content['global_step']``
             or ``user_content['step']`` when present.
+        ep_rank: this rank's EP rank under expert parallelism (None without): model files (and unsharded
+            optimizer files) are ``dp_rank_00_ep_rank_<ep>_...``, one per EP rank.
+        optim_sharded: the optimizer is ZeRO-1-sharded: ``dp_rank`` is the DP x CP rank, every rank writes its
+            own optimizer file (without ``ep_rank``), and the model writer's ``dp_rank`` need not be 0.
 
     Returns:
         The published checkpoint directory ``<ckpt_root>/<tag>``.
@@ -326,7 +339,8 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
     staged = stage_checkpoint(ckpt_root, tag, model_state=model_state, optim_state=optim_state,
                               user_content=user_content, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
                               is_global_zero=is_global_zero, write_model=write_model, write_optim=write_optim,
-                              use_xser=use_xser, save_bf16=save_bf16, step=step)
+                              use_xser=use_xser, save_bf16=save_bf16, step=step, ep_rank=ep_rank,
+                              optim_sharded=optim_sharded)
     staged.write()
     return staged.publish()
 
@@ -455,6 +469,7 @@ def cleanup_partial(ckpt_root: str) -> list[str]:
 
 
 def _ranks_found(folder: str) -> tuple[set[int], set[int], set[int]]:
+    """DP, TP and PP ranks of the shard files in ``folder`` (EP ranks: :func:`ep_ranks_found`)."""
     dps: set[int] = set()
     tps: set[int] = set()
     pps: set[int] = set()
@@ -463,9 +478,16 @@ def _ranks_found(folder: str) -> tuple[set[int], set[int], set[int]]:
             m = _SHARD_RE.match(name)
             if m:
                 dps.add(int(m.group(1)))
-                tps.add(int(m.group(2)))
-                pps.add(int(m.group(3)))
+                tps.add(int(m.group(3)))
+                pps.add(int(m.group(4)))
     return dps, tps, pps
+
+
+def ep_ranks_found(folder: str) -> set[int]:
+    """EP ranks named by the shard files in ``folder`` (empty: saved without expert parallelism)."""
+    if not os.path.isdir(folder):
+        return set()
+    return {int(m.group("ep")) for m in map(_SHARD_RE.match, os.listdir(folder)) if m and m.group("ep") is not None}
 
 
 def _missing_shard_error(path: str, tag_dir: str) -> FileNotFoundError:
@@ -511,30 +533,33 @@ def _named_read(path: str, read: Callable[[], Any]) -> Any:
                   f"It is truncated or corrupt; resume from an earlier checkpoint") from e
 
 
-def _optim_path(tag_dir: str, dp_rank: int, tp_rank: int, pp_rank: int) -> str:
-    """Own DP rank's optimizer file; DP rank 0's when the optimizer was saved unsharded (no zero1)."""
+def _optim_path(tag_dir: str, dp_rank: int, tp_rank: int, pp_rank: int, ep_rank: int | None = None) -> str:
+    """Own DP rank's optimizer file; DP rank 0's (of this EP rank) when the optimizer was saved unsharded (no
+    zero1)."""
     folder = os.path.join(tag_dir, OPTIM_DIR)
     own = os.path.join(folder, checkpoint_file_name(dp_rank, tp_rank, pp_rank))
     dps, _, _ = _ranks_found(folder)
     if os.path.isfile(own) or dps - {0}:
         return own
-    return os.path.join(folder, checkpoint_file_name(0, tp_rank, pp_rank))
+    return os.path.join(folder, checkpoint_file_name(0, tp_rank, pp_rank, ep_rank))
 
 
-def rank_files(tag_dir: str, *, dp_rank: int, tp_rank: int, pp_rank: int, load_optim: bool = True) -> list[str]:
+def rank_files(tag_dir: str, *, dp_rank: int, tp_rank: int, pp_rank: int, load_optim: bool = True,
+               ep_rank: int | None = None) -> list[str]:
     """Paths (relative to ``tag_dir``) of the structure files this rank reads: its model shard, its optimizer
     shard (when ``load_optim`` and the checkpoint has an ``optim/`` directory) and ``user_content.pt`` if present.
     """
-    rels = [f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank)}"]
+    rels = [f"{MODEL_DIR}/{checkpoint_file_name(0, tp_rank, pp_rank, ep_rank)}"]
     if load_optim and os.path.isdir(os.path.join(tag_dir, OPTIM_DIR)):
-        rels.append(os.path.relpath(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir).replace(os.sep, "/"))
+        path = _optim_path(tag_dir, dp_rank, tp_rank, pp_rank, ep_rank)
+        rels.append(os.path.relpath(path, tag_dir).replace(os.sep, "/"))
     if os.path.isfile(os.path.join(tag_dir, USER_CONTENT_FILE)):
         rels.append(USER_CONTENT_FILE)
     return rels
 
 
 def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
-                      load_optim: bool = True) -> bool:
+                      load_optim: bool = True, ep_rank: int | None = None) -> bool:
     """Check what this rank would load from ``<ckpt_root>/<tag>`` (local, no collectives).
 
     With a manifest: every listed file exists with its size (the whole checkpoint), and this rank's files
@@ -552,7 +577,8 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
     """
     tag_dir = _complete_dir(ckpt_root, tag)
     manifest = integrity.read_manifest(tag_dir)
-    rels = rank_files(tag_dir, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
+    rels = rank_files(tag_dir, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim,
+                      ep_rank=ep_rank)
     if manifest is None:
         integrity.warn_unverified(tag_dir)
         if not all(os.path.isfile(os.path.join(tag_dir, rel)) for rel in rels[:2]):
@@ -609,7 +635,7 @@ def _complete_dir(ckpt_root: str, tag: str) -> str:
 
 def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_rank: int,
                     load_optim: bool = True, use_xser: bool | None = None, verify: bool = True,
-                    read_model: bool = True) -> tuple[Any, Any, Any]:
+                    read_model: bool = True, ep_rank: int | None = None) -> tuple[Any, Any, Any]:
     """Load this rank's shards of ``<ckpt_root>/<tag>`` (CPU tensors), verified against its manifest.
 
     Args:
@@ -624,6 +650,7 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
             is always used; a mismatch with an explicit value only warns.
         verify: :func:`verify_checkpoint` first (SHA-256 of the files read; files already verified
             in this process and unchanged since are not hashed again).
+        ep_rank: this rank's EP rank when the checkpoint was saved with expert parallelism (None: without).
 
     Returns:
         ``(model_state, optim_state or None, user_content or None)``.
@@ -635,13 +662,14 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
     """
     tag_dir = _complete_dir(ckpt_root, tag)
     if verify:
-        verify_checkpoint(ckpt_root, tag, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim)
+        verify_checkpoint(ckpt_root, tag, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank, load_optim=load_optim,
+                          ep_rank=ep_rank)
     xser = _detect_xser(tag_dir, use_xser)
-    model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank))
+    model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank, ep_rank))
     model_state = _read_shard(model_path, tag_dir, xser) if read_model else None
     optim_state = None
     if load_optim:
-        optim_state = _read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank), tag_dir, xser)
+        optim_state = _read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank, ep_rank), tag_dir, xser)
     uc_path = os.path.join(tag_dir, USER_CONTENT_FILE)
     user_content = _named_read(uc_path, lambda: load_structure(uc_path)) if os.path.isfile(uc_path) else None
     return model_state, optim_state, user_content

@@ -109,6 +109,7 @@ class DistributedStrategyConfig:
     sequence_parallel: bool = False  # split activations outside the TP region along the sequence
     kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
     context_parallel_algo: str = "ring"  # ring (load-balanced ring attention) | ulysses (all-to-all over heads)
+    expert_model_parallel_size: int = 1  # EP degree: experts sharded over EP ranks carved from DP (NxD layout)
 
 
 @dataclass
@@ -212,10 +213,26 @@ class OptimConfig:
 
 
 @dataclass
+class MoEConfig:
+    """``model.moe:`` — mixture-of-experts blocks (NxDT's keys; a Mixtral ``model_config`` needs them)."""
+
+    num_experts: Optional[int] = None  # experts per MoE layer (config.json num_local_experts when null)
+    frequency: int = 1  # layer i is a MoE layer when i % frequency == 0 (1: every layer)
+    dropout: float = 0.0  # NxDT passes it as attention dropout; only 0 is supported
+    capacity_factor: Optional[float] = None  # slots per expert vs a uniform load; null / <= 0: no limit
+    dropless: bool = False  # true: no token is ever dropped (capacity_factor ignored)
+    routing_algorithm: str = "top_k"  # top_k (sinkhorn: not supported yet)
+    top_k: Optional[int] = None  # experts per token (config.json num_experts_per_tok when null)
+    output_router_logits: Optional[bool] = None  # add the load-balancing loss (config.json's when null)
+    router_aux_loss_coef: Optional[float] = None  # weight of the load-balancing loss (config.json's when null)
+    normalize_top_k_affinities: bool = True  # renormalise the kept top-k affinities to sum 1 (Mixtral)
+
+
+@dataclass
 class ModelConfig:
     """``model:`` — the decoder, built from an HF config.json with NxDT's YAML overrides."""
 
-    model_config: Optional[str] = None  # path to an HF config.json (Llama family)
+    model_config: Optional[str] = None  # path to an HF config.json (model_type llama or mixtral)
     hf_weights_dir: Optional[str] = None  # HF safetensors dir loaded before training, each rank reading its TP shard
     hf_conversion_cache: bool = False  # cache hf_weights_dir converted to this layout; later starts load the cache
     hf_conversion_cache_dir: Optional[str] = None  # where (default <log_dir>/hf_converted)
@@ -242,6 +259,7 @@ class ModelConfig:
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
+    moe: Optional[MoEConfig] = None  # mixture of experts (model_type mixtral); null for dense models
     optim: OptimConfig = field(default_factory=OptimConfig)
 
 
@@ -256,6 +274,7 @@ class PrecisionConfig:
     xla_downcast_bf16: str = "0"  # manual: XLA_DOWNCAST_BF16
     neuron_rt_stochastic_rounding_en: str = "0"  # manual: NEURON_RT_STOCHASTIC_ROUNDING_EN
     parallel_layers_reduce_dtype: Optional[str] = None  # dtype of TP/SP collectives (fp32 | bf16)
+    fp32_grads_cc: bool = False  # data-parallel gradient all-reduce in fp32 (bf16 gradients up-cast for it)
 
 
 @dataclass

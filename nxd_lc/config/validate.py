@@ -582,15 +582,20 @@ def _alignment_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
-def _keeps_master_weights(cfg: NxdConfig) -> bool:
-    """Whether the precision mode keeps fp32 master weights (the policy's own rule); False for an unknown type or
-    reduce dtype, which are reported by their own checks."""
+def _policy_flag(cfg: NxdConfig, flag: str) -> bool:
+    """A boolean of the precision mode's policy (``master_weights``, ``fp32_grad_acc``: the policy's own rule);
+    False for an unknown type or reduce dtype, which are reported by their own checks."""
     from nxd_lc.precision.policy import resolve_precision
 
     try:
-        return resolve_precision(cfg).master_weights
+        return bool(getattr(resolve_precision(cfg), flag))
     except ValueError:
         return False
+
+
+def _keeps_master_weights(cfg: NxdConfig) -> bool:
+    """Whether the precision mode keeps fp32 master weights (:func:`_policy_flag`)."""
+    return _policy_flag(cfg, "master_weights")
 
 
 #: The ``precision`` keys that set XLA / Neuron environment variables themselves only with ``type: manual``.
@@ -641,9 +646,12 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
         if value == "1":  # NxDT's default is '0': a '1' the type turns off was set on purpose
             p.append(f"precision.{key}: '1' contradicts precision.type {prec.type}, which uses '{used}' (the type "
                      f"sets it); remove it, or use precision.type manual to set it yourself")
-    if prec.type != "manual" and (prec.master_weights or prec.fp32_grad_acc):
-        p.append(f"precision.master_weights / precision.fp32_grad_acc: only read with precision.type manual "
-                 f"(type {prec.type} fixes them, see the README precision table); set them false or use manual")
+    if prec.type != "manual" and prec.type in PRECISION_TYPES:
+        for key in ("master_weights", "fp32_grad_acc"):
+            if getattr(prec, key) and not _policy_flag(cfg, key):  # true where the type has none: set on purpose
+                p.append(f"precision.{key}: true contradicts precision.type {prec.type}, which has none (only read "
+                         f"with precision.type manual; the type fixes it, see the README precision table); set it "
+                         "false or use precision.type manual")
     if ckpt.use_master_weights_in_ckpt and not _keeps_master_weights(cfg):
         p.append(f"exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt: precision.type {prec.type} "
                  "keeps no fp32 master weights; use mixed_precision / mixed_precisionSR (or manual with "
@@ -901,7 +909,15 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
     return (_parallel_problems(cfg, world_size) + _trainer_problems(cfg) + _batch_problems(cfg)
             + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
             + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
-            + _checkpoint_problems(cfg) + _mixture_problems(cfg) + _curriculum_problems(cfg))
+            + _checkpoint_problems(cfg) + _mixture_problems(cfg) + _curriculum_problems(cfg)
+            + _moe_problems(cfg, hf))
+
+
+def _moe_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
+    """``model.moe`` and ``distributed_strategy.expert_model_parallel_size`` (:mod:`nxd_lc.moe.config`)."""
+    from nxd_lc.moe.config import expert_parallel_problems, moe_problems
+
+    return moe_problems(cfg, hf) + expert_parallel_problems(cfg, hf, data_parallel_size(cfg))
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:

@@ -52,10 +52,11 @@ def grad_of(param: nn.Parameter) -> torch.Tensor | None:
 
 def _coalesced_all_reduce(
     tensors: list[torch.Tensor], group: ProcessGroup | None, op: str = "sum",
-    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+    bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB, reduce_dtype: torch.dtype | None = None,
 ) -> None:
     """All-reduce ``tensors`` in place, flattening them into buckets of at most ``bucket_size_mb``
-    (per dtype/device) so the number of collectives stays small."""
+    (per dtype/device) so the number of collectives stays small. ``reduce_dtype``: the dtype the buckets are
+    reduced in (each bucket up- or down-cast for the collective, the result cast back); None: their own."""
     if collectives.group_size(group) == 1 or not tensors:
         return
     limit = max(1, int(bucket_size_mb * 1024 * 1024))
@@ -69,14 +70,17 @@ def _coalesced_all_reduce(
             bucket.append(t)
             size += t.numel() * t.element_size()
             if size >= limit:
-                _reduce_bucket(bucket, group, op)
+                _reduce_bucket(bucket, group, op, reduce_dtype)
                 bucket, size = [], 0
         if bucket:
-            _reduce_bucket(bucket, group, op)
+            _reduce_bucket(bucket, group, op, reduce_dtype)
 
 
-def _reduce_bucket(bucket: list[torch.Tensor], group: ProcessGroup | None, op: str) -> None:
+def _reduce_bucket(bucket: list[torch.Tensor], group: ProcessGroup | None, op: str,
+                   reduce_dtype: torch.dtype | None = None) -> None:
     flat = torch.cat([t.reshape(-1) for t in bucket])
+    if reduce_dtype is not None and flat.dtype != reduce_dtype:
+        flat = flat.to(reduce_dtype)
     collectives.all_reduce(flat, group, op=op)
     for t, chunk in zip(bucket, flat.split([t.numel() for t in bucket])):
         t.copy_(chunk.view_as(t))
@@ -107,7 +111,8 @@ def allreduce_kv_replica_gradients(module: nn.Module) -> None:
 
 
 def allreduce_data_parallel_gradients(
-    params: Iterable[nn.Parameter], with_context_parallel: bool = True, bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB
+    params: Iterable[nn.Parameter], with_context_parallel: bool = True, bucket_size_mb: float = DEFAULT_BUCKET_SIZE_MB,
+    fp32: bool = False,
 ) -> None:
     """Average gradients over the DP group (DP x CP when ``with_context_parallel``), bucketed: one all-reduce per
     ``bucket_size_mb`` MiB of gradients (per dtype/device; a bucket closes once it reaches the size), so the number
@@ -117,17 +122,22 @@ def allreduce_data_parallel_gradients(
     DP x CP ranks is the global per-token mean (e.g. local token-sum x cp / global token count,
     or the local mean when every rank holds the same number of loss tokens).
     Parameters without a gradient are skipped (they must be the same on all ranks).
+
+    ``fp32`` (``precision.fp32_grads_cc``): bf16 gradients are reduced in fp32 (each bucket up-cast for the
+    all-reduce and rounded back once), so the sum over ranks is not rounded to bf16 at every step of the
+    reduction. fp32 gradients (``main_grad`` buffers, fp32 parameters) are reduced in fp32 either way.
     """
+    rd = torch.float32 if fp32 else None
     dense: list[torch.Tensor] = []
     experts: list[torch.Tensor] = []
     for p in params:
         if (g := grad_of(p)) is not None:
             (experts if getattr(p, "expert_model_parallel", False) else dense).append(g)
     group = parallel_state.get_data_parallel_group(with_context_parallel=with_context_parallel)
-    _coalesced_all_reduce(dense, group, op="avg", bucket_size_mb=bucket_size_mb)
+    _coalesced_all_reduce(dense, group, op="avg", bucket_size_mb=bucket_size_mb, reduce_dtype=rd)
     if experts:  # sum over the replicas of these experts, then the DP (x CP) mean
         edp = parallel_state.get_expert_data_parallel_group(with_context_parallel=with_context_parallel)
-        _coalesced_all_reduce(experts, edp, op="sum", bucket_size_mb=bucket_size_mb)
+        _coalesced_all_reduce(experts, edp, op="sum", bucket_size_mb=bucket_size_mb, reduce_dtype=rd)
         size = parallel_state.get_data_parallel_world_size(with_context_parallel=with_context_parallel)
         for g in experts:
             g.div_(size)

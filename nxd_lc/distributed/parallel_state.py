@@ -334,6 +334,11 @@ def get_expert_data_parallel_group(with_context_parallel: bool = False) -> Proce
     return _group("edp_cp" if with_context_parallel else "edp")
 
 
+def get_expert_data_parallel_rank(with_context_parallel: bool = False) -> int:
+    """Rank inside the expert-data-parallel group (x CP when ``with_context_parallel``)."""
+    return _rank("edp_cp" if with_context_parallel else "edp")
+
+
 def get_expert_data_parallel_world_size(with_context_parallel: bool = False) -> int:
     """Size of the expert-data-parallel group (DP / EP, times CP when ``with_context_parallel``)."""
     return _size("edp_cp" if with_context_parallel else "edp")

@@ -253,7 +253,8 @@ class NxDLanguageModel(pl.LightningModule):
         params = self.trainable_parameters()
         grads.allreduce_tied_embedding_gradients(params)  # pipeline: embedding (first stage) + lm head (last)
         grads.allreduce_data_parallel_gradients(params, with_context_parallel=True,
-                                                bucket_size_mb=gradient_bucket_size_mb(self.cfg))
+                                                bucket_size_mb=gradient_bucket_size_mb(self.cfg),
+                                                fp32=self.cfg.precision.fp32_grads_cc)
         need_norm = self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
         self._grad_norm = grads.global_grad_norm(params) if need_norm else None
 

@@ -40,15 +40,19 @@ def _host_copy(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to("cpu", copy=True)
 
 
-def checkpoint_ranks(zero1: bool) -> dict[str, int]:
-    """This rank's checkpoint file coordinates ``{"dp_rank", "tp_rank", "pp_rank"}`` from ``parallel_state``.
+def checkpoint_ranks(zero1: bool) -> dict[str, Any]:
+    """This rank's checkpoint file coordinates ``{"dp_rank", "tp_rank", "pp_rank", "ep_rank"}`` from
+    ``parallel_state``.
 
     Under ZeRO-1 ``dp_rank`` is the rank in the DP x CP group (one optimizer shard each; DP rank 0 / CP rank 0 is 0
-    there too, so the model file name is unchanged).
+    there too, so the model file name is unchanged). Without it, the rank in the expert-data-parallel group (the DP
+    rank when EP is 1). ``ep_rank`` is the EP rank under expert parallelism (model files carry it, NxD's
+    ``dp_rank_00_ep_rank_XX_...``), None without.
     """
-    dp = ps.get_data_parallel_rank(with_context_parallel=True) if zero1 else ps.get_data_parallel_rank()
+    dp = ps.get_data_parallel_rank(with_context_parallel=True) if zero1 else ps.get_expert_data_parallel_rank()
+    ep = ps.get_expert_model_parallel_rank() if ps.get_expert_model_parallel_world_size() > 1 else None
     return {"dp_rank": dp, "tp_rank": ps.get_tensor_model_parallel_rank(),
-            "pp_rank": ps.get_pipeline_model_parallel_rank()}
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "ep_rank": ep}
 
 
 class NxDStrategy(DDPStrategy):
@@ -97,7 +101,7 @@ class NxDStrategy(DDPStrategy):
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
 
-    def _ranks(self) -> dict[str, int]:
+    def _ranks(self) -> dict[str, Any]:
         """This rank's checkpoint file coordinates (:func:`checkpoint_ranks`)."""
         return checkpoint_ranks(self.zero1)
 
@@ -142,8 +146,8 @@ class NxDStrategy(DDPStrategy):
         if self.lora_only:
             model_state = {k: v for k, v in model_state.items() if is_lora_key(k)}
         ranks = self._ranks()
-        # model (and unsharded optimizer) state is identical over DP and CP: one writer per (TP, PP) position
-        writer = ps.get_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
+        # model (and unsharded optimizer) state is identical over expert-DP and CP: one writer per (EP, TP, PP)
+        writer = ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         if self.async_checkpointing:
             self.finish_async_save()  # at most one save in flight
             model_state, optim_state = map_tensors(model_state, _host_copy), map_tensors(optim_state, _host_copy)
@@ -152,7 +156,7 @@ class NxDStrategy(DDPStrategy):
             root, tag, model_state=model_state, optim_state=optim_state or None, user_content=content,
             is_global_zero=self.is_global_zero, write_model=writer,
             write_optim=(writer or self.zero1) and bool(optim_state), use_xser=self.save_xser,
-            save_bf16=self.save_bf16, **ranks)
+            save_bf16=self.save_bf16, optim_sharded=self.zero1, **ranks)
         if not self.async_checkpointing:
             staged.write()
             self._flush_loggers()  # before publishing: the checkpoint's own step is logged and on disk first
@@ -237,10 +241,20 @@ class NxDStrategy(DDPStrategy):
         """Whether the model shards / the optimizer shards of ``tag_dir`` must be re-sharded for this run (saved
         at another TP or PP size; saved with ZeRO-1 over another number of DP x CP ranks)."""
         saved = reshard.saved_layout(tag_dir)
+        ep = ps.get_expert_model_parallel_world_size()
+        if saved.ep != ep:
+            raise ValueError(f"checkpoint {tag_dir} was saved with expert_model_parallel_size {saved.ep} but this run "
+                             f"uses {ep}: re-sharding experts over another EP size is not supported yet; resume "
+                             f"with distributed_strategy.expert_model_parallel_size={saved.ep}")
         model_moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
                                                ps.get_pipeline_model_parallel_world_size())
         files_now = ps.get_data_parallel_world_size(with_context_parallel=True) if self.zero1 else 1
         optim_moves = saved.optim_dp > 0 and (model_moves or (saved.optim_dp > 1 and saved.optim_dp != files_now))
+        if ep > 1 and (model_moves or optim_moves):
+            raise ValueError(f"checkpoint {tag_dir} was saved at another TP / PP / ZeRO-1 layout (TP {saved.tp}, PP "
+                             f"{saved.pp}, {saved.optim_dp} optimizer shard(s)); re-sharding checkpoints with expert "
+                             "parallelism is not supported yet: resume at the saved sizes and distributed_strategy."
+                             "zero1")
         if self.lora_only and (model_moves or optim_moves):
             raise ValueError(f"checkpoint {tag_dir} holds LoRA adapters only and was saved at another TP / PP / "
                              "ZeRO-1 layout; re-sharding adapter checkpoints is not supported: resume at the saved "

@@ -148,6 +148,7 @@ class MoE(nn.Module):
         self.router.weight = init_parameter((num_experts, hidden_size), None, init_method, torch.float32, device,
                                             use_cpu_initialization=True)
         self.router.weight.sequence_parallel_enabled = sequence_parallel  # grads summed over TP (local tokens)
+        self.router.weight.keep_fp32 = True  # stays fp32 in bf16 precision modes (apply_precision), as NxD's router
         self.experts = ExpertMLPs(num_experts, hidden_size, intermediate_size, init_method, dtype, device)
 
     def _enter_tp_region(self, x: torch.Tensor, weights: torch.Tensor,

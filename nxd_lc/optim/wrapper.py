@@ -19,6 +19,10 @@
 * optimizer state is kept in ``optim_state_dtype`` between steps (bf16 for bf16SR + adamw, as on Trainium where
   ``XLA_USE_BF16`` makes the state bf16) and computed in fp32 during the step.
 
+Expert parameters (flag ``expert_model_parallel``, :mod:`nxd_lc.moe`) are distinct on each rank of an EP group:
+under ZeRO-1 they are sharded over their expert-data-parallel x CP group (the ranks that hold the same experts),
+NxD's rule for expert parameters; every other parameter over DP x CP.
+
 Stochastic rounding uses a generator seeded with ``seed`` (plus the shard index under ZeRO-1) so that
 data-parallel replicas round identically and stay equal; its state is saved with the optimizer.
 
@@ -75,16 +79,26 @@ def install_fp32_grad_accumulation(params: list[nn.Parameter]) -> list[Any]:
     return handles
 
 
+@dataclass(frozen=True)
+class _Domain:
+    """The ranks one parameter's ZeRO-1 shards are spread over: ``group`` of ``world`` ranks, this one ``rank``."""
+
+    group: Any
+    world: int
+    rank: int
+
+
 @dataclass
 class _Slot:
     """One model parameter and its working tensor (full, or this rank's ZeRO-1 shard ``[start, stop)`` of the
-    flattened parameter; ``shard_numel`` includes padding)."""
+    flattened parameter over ``domain``; ``shard_numel`` includes padding)."""
 
     param: nn.Parameter
     work: nn.Parameter
     start: int
     stop: int
     shard_numel: int
+    domain: _Domain
 
 
 class NxDOptimizer(torch.optim.Optimizer):
@@ -108,6 +122,10 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._group = ps.get_data_parallel_group(with_context_parallel=True) if zero1 else None
         self._world = ps.get_data_parallel_world_size(with_context_parallel=True) if zero1 else 1
         self._rank = ps.get_data_parallel_rank(with_context_parallel=True) if zero1 else 0
+        self._dense = _Domain(self._group, self._world, self._rank)
+        self._experts = _Domain(ps.get_expert_data_parallel_group(with_context_parallel=True),
+                                ps.get_expert_data_parallel_world_size(with_context_parallel=True),
+                                ps.get_expert_data_parallel_rank(with_context_parallel=True)) if zero1 else self._dense
         self.persistent = policy.master_weights or not policy.low_precision_params
         self.slots: list[_Slot] = []
         inner_groups = []
@@ -124,19 +142,21 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._store_state(policy.optim_state_dtype)
 
     # ---- construction -------------------------------------------------------------------------------------
-    def _shard_range(self, numel: int) -> tuple[int, int, int]:
-        per = math.ceil(numel / self._world)
-        start = min(self._rank * per, numel)
+    @staticmethod
+    def _shard_range(numel: int, domain: _Domain) -> tuple[int, int, int]:
+        per = math.ceil(numel / domain.world)
+        start = min(domain.rank * per, numel)
         return start, min(start + per, numel), per
 
     def _make_slot(self, p: nn.Parameter) -> _Slot:
-        start, stop, per = self._shard_range(p.numel()) if self.zero1 else (0, p.numel(), p.numel())
+        domain = self._experts if getattr(p, "expert_model_parallel", False) else self._dense
+        start, stop, per = self._shard_range(p.numel(), domain) if self.zero1 else (0, p.numel(), p.numel())
         if self.persistent:
             src = p.detach().reshape(-1)[start:stop] if self.zero1 else p.detach()
             work = nn.Parameter(src.to(torch.float32).clone())
         else:
             work = nn.Parameter(torch.empty(0, dtype=torch.float32, device=p.device))
-        slot = _Slot(p, work, start, stop, per)
+        slot = _Slot(p, work, start, stop, per, domain)
         self.slots.append(slot)
         return slot
 
@@ -197,7 +217,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._gather_bucket(bucket)
 
     def _gather_bucket(self, bucket: list[_Slot]) -> None:
-        """All-gather the rounded shards of ``bucket`` into the parameters (one collective per parameter dtype)."""
+        """All-gather the rounded shards of ``bucket`` into the parameters (one collective per parameter dtype
+        and shard domain)."""
         by_dtype: dict[torch.dtype, list[_Slot]] = {}
         for s in bucket:
             by_dtype.setdefault(s.param.dtype, []).append(s)
@@ -207,17 +228,24 @@ class NxDOptimizer(torch.optim.Optimizer):
                 s.param.data.copy_(full)
 
     def _all_gather_shards(self, slots: list[_Slot], shards: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Full parameter-shaped tensors from each rank's ``shards`` (one per slot, same dtype, unpadded), in one
-        all-gather over DP x CP of the padded shards laid end to end."""
-        pieces = [F.pad(t, (0, s.shard_numel - t.numel())) if t.numel() < s.shard_numel else t
-                  for s, t in zip(slots, shards)]
-        total = sum(s.shard_numel for s in slots)
-        gathered = collectives.all_gather(torch.cat(pieces), 0, self._group).view(self._world, total)
-        fulls, offset = [], 0
-        for s in slots:
-            fulls.append(gathered[:, offset:offset + s.shard_numel].reshape(-1)[: s.param.numel()].view_as(s.param))
-            offset += s.shard_numel
-        return fulls
+        """Full parameter-shaped tensors from each rank's ``shards`` (one per slot, same dtype, unpadded), in
+        ``slots`` order: one all-gather per shard domain (DP x CP; expert-DP x CP for expert parameters) of the
+        padded shards laid end to end. Every rank must call it with the same slots."""
+        out: list[torch.Tensor | None] = [None] * len(slots)
+        for domain in [self._dense] if self._experts is self._dense else [self._dense, self._experts]:
+            idx = [i for i, s in enumerate(slots) if s.domain is domain]
+            if not idx:
+                continue
+            pieces = [F.pad(shards[i], (0, slots[i].shard_numel - shards[i].numel()))
+                      if shards[i].numel() < slots[i].shard_numel else shards[i] for i in idx]
+            total = sum(slots[i].shard_numel for i in idx)
+            gathered = collectives.all_gather(torch.cat(pieces), 0, domain.group).view(domain.world, total)
+            offset = 0
+            for i in idx:
+                s = slots[i]
+                out[i] = gathered[:, offset:offset + s.shard_numel].reshape(-1)[: s.param.numel()].view_as(s.param)
+                offset += s.shard_numel
+        return [t for t in out if t is not None]
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
@@ -258,6 +286,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         sd = self.inner.state_dict()
         sd["nxd"] = {"master_weights": [s.work.detach().clone() for s in self.slots] if self.persistent else None,
                      "zero1_world": self._world if self.zero1 else 0, "zero1_rank": self._rank,
+                     "zero1_expert_world": self._experts.world if self.zero1 else 0,
                      "sr_generator": self._generator.get_state()}
         return sd
 

@@ -137,7 +137,8 @@ def resolve_precision(cfg: NxdConfig) -> PrecisionPolicy:
 def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy) -> torch.nn.Module:
     """Put ``model`` in the policy's parameter dtype and set the TP/SP reduce dtype (process-wide).
 
-    Only parameters are cast: buffers keep their dtype (RoPE's fp32 frequency tables stay fp32, as in HF).
+    Only parameters are cast: buffers keep their dtype (RoPE's fp32 frequency tables stay fp32, as in HF), and so
+    do parameters flagged ``keep_fp32`` (the mixture-of-experts router weight, kept in fp32 as NxD does).
     Call before the optimizer is built (master weights are copied from the parameters then).
 
     Returns:
@@ -147,6 +148,6 @@ def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy) -> torch.nn
 
     set_reduce_dtype(policy.reduce_dtype)
     for p in model.parameters():
-        if p.is_floating_point() and p.dtype != policy.param_dtype:
+        if p.is_floating_point() and p.dtype != policy.param_dtype and not getattr(p, "keep_fp32", False):
             p.data = p.data.to(policy.param_dtype)
     return model

@@ -33,7 +33,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers import LlamaConfig
+from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
 
 from nxd_lc.distributed import parallel_state
 from nxd_lc.distributed.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
@@ -79,6 +79,11 @@ _OVERRIDES = {
 }
 
 
+#: config.json ``model_type`` -> the transformers config class it is read into (the decoder families whose
+#: attention, norms and embeddings are Llama's; Mixtral swaps the MLP for mixture-of-experts blocks).
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "mixtral": MixtralConfig}
+
+
 def _read_config_json(path: Path) -> dict[str, Any]:
     """Parse an HF config.json into a dict; FileNotFoundError / ValueError name the file."""
     if path.is_dir():
@@ -93,8 +98,9 @@ def _read_config_json(path: Path) -> dict[str, Any]:
         raise ValueError(f"model.model_config: {path} is not valid JSON (line {e.lineno}: {e.msg})") from e
     if not isinstance(raw, dict):
         raise ValueError(f"model.model_config: {path} must hold a JSON object, got {type(raw).__name__}")  # noqa: TRY004
-    if raw.get("model_type", "llama") != "llama":
-        raise ValueError(f"model.model_config: {path} has model_type={raw['model_type']!r}; expected 'llama'")
+    if raw.get("model_type", "llama") not in CONFIG_CLASSES:
+        raise ValueError(f"model.model_config: {path} has model_type={raw['model_type']!r}; supported: "
+                         f"{', '.join(sorted(CONFIG_CLASSES))}")
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         if not isinstance(raw.get(key), int) or raw[key] <= 0:
             raise ValueError(f"model.model_config: {path} needs a positive integer {key!r}, got {raw.get(key)!r}")
@@ -191,12 +197,14 @@ def _apply_hf_config_overrides(raw: dict[str, Any], hf_overrides: Mapping[str, A
     hf = _plain(hf_overrides or {})
     if not isinstance(hf, dict):
         raise ValueError(f"model.hf_config_overrides must be a mapping of config.json keys, got {type(hf).__name__}")
-    known = set(LlamaConfig().to_dict()) | {"rope_scaling", "rope_parameters", "rope_theta"}
+    config_class = CONFIG_CLASSES[raw.get("model_type", "llama")]
+    known = set(config_class().to_dict()) | {"rope_scaling", "rope_parameters", "rope_theta"}
     for key in hf:
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
-            hint = f"did you mean {close[0]!r}?" if close else "see the LlamaConfig fields"
-            raise ValueError(f"model.hf_config_overrides.{key}: not a Llama config.json key; {hint}")
+            hint = f"did you mean {close[0]!r}?" if close else f"see the {config_class.__name__} fields"
+            raise ValueError(f"model.hf_config_overrides.{key}: not a {config_class.__name__} config.json key; "
+                             f"{hint}")
     if "rope_scaling" in hf and "rope_parameters" in hf:
         raise ValueError("model.hf_config_overrides: set rope_scaling or rope_parameters, not both")
     rope = _pop_rope(raw)
@@ -225,8 +233,9 @@ def _apply_hf_config_overrides(raw: dict[str, Any], hf_overrides: Mapping[str, A
 
 
 def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None = None,
-                       hf_config_overrides: Mapping[str, Any] | None = None) -> LlamaConfig:
-    """Read an HF Llama ``config.json``, apply NxDT's ``model:`` overrides and ``model.hf_config_overrides``.
+                       hf_config_overrides: Mapping[str, Any] | None = None) -> PretrainedConfig:
+    """Read an HF Llama-family ``config.json`` (``model_type`` of :data:`CONFIG_CLASSES`: llama -> LlamaConfig,
+    mixtral -> MixtralConfig), apply NxDT's ``model:`` overrides and ``model.hf_config_overrides``.
 
     Args:
         model_config_path: a config.json file or a directory containing one (NxDT ``model.model_config``).
@@ -241,7 +250,7 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
 
     Raises:
         FileNotFoundError: the file does not exist.
-        ValueError: invalid JSON, not a Llama config, a bad override value or unknown override key,
+        ValueError: invalid JSON, a model_type not in CONFIG_CLASSES, a bad override value or unknown override key,
             an hf_config_overrides key that is not a Llama config key or that contradicts an NxDT
             override, an invalid rope_scaling (every problem listed), encoder_seq_length >
             max_position_embeddings, or hidden_act other than silu.
@@ -255,10 +264,11 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
         head_dim = raw.get("head_dim") or raw["hidden_size"] // raw["num_attention_heads"]
         raise_on_problems(rope_scaling_problems({**raw["rope_scaling"], "rope_theta": raw["rope_theta"]}, key,
                                                 head_dim=head_dim, strict=False), key)
+    config_class = CONFIG_CLASSES[raw.get("model_type", "llama")]
     try:
-        config = LlamaConfig.from_dict(raw)
+        config = config_class.from_dict(raw)
     except Exception as e:  # noqa: BLE001 - transformers raises strict-validation errors, KeyError, ...
-        raise ValueError(f"model.model_config: {model_config_path} is not a valid Llama config: {e}") from e
+        raise ValueError(f"model.model_config: {model_config_path} is not a valid {config_class.__name__}: {e}") from e
     seq = overrides.get("encoder_seq_length")
     if seq not in (None, -1) and seq > config.max_position_embeddings:
         raise ValueError(
