@@ -1,6 +1,6 @@
-"""Acceptance: every NxDT Llama-family example config (``../shared/reference/nxdt_examples/hf_llama*``, NxDT's own
-files, unchanged) and every NxDT-named config in ``conf/`` trains 2 steps with a checkpoint through ``train.py``
-under torchrun, given only command-line overrides that shrink it.
+"""Acceptance: every NxDT HF example config (``../shared/reference/nxdt_examples/hf_llama*`` and ``hf_mixtral*``,
+NxDT's own files, unchanged) and every NxDT-named config in ``conf/`` trains 2 steps with a checkpoint through
+``train.py`` under torchrun, given only command-line overrides that shrink it.
 
 The overrides (built by :func:`shrink_overrides` from the file's own keys; ``+`` only for keys the file lacks): a
 tiny ``config.json`` (4 layers, hidden 64), sequence 64, warm-up 1 step, 2-4 processes (TP 1-2; PP 2 where the
@@ -8,7 +8,9 @@ original has PP > 1, with ``pipeline_cuts`` rescaled to the 4 layers when it has
 CP > 1; ``kv_replicator`` 1), micro batch 1, global batch 4 (pairs for DPO / ORPO), the data paths (this
 interpreter's stdlib sources with a byte-level BPE for pretraining; small jsonl files in NxDT's SFT / preference
 formats with the SmolLM2 tokenizer for alignment), the run and compile-cache directories, and 2 steps with a
-checkpoint at step 2. No key is removed.
+checkpoint at step 2. No key is removed. The Mixtral files get a tiny Mixtral ``config.json`` (8 experts, as their
+``model.moe.num_experts``) and keep their ``model.moe`` keys; their PP 4 becomes PP 1, because mixture-of-experts
+layers with pipeline parallelism are not supported yet (validation says so), and TP 2 stands for their TP 32.
 """
 
 from __future__ import annotations
@@ -30,9 +32,11 @@ SEQ = 64
 
 
 def _configs() -> list[tuple[str, Path]]:
-    found = [("conf", p) for p in sorted((REPO / "conf").glob("hf_llama*.yaml"))]
+    found = [("conf", p) for pattern in ("hf_llama*.yaml", "hf_mixtral*.yaml")
+             for p in sorted((REPO / "conf").glob(pattern))]
     if EXAMPLES.is_dir():
-        found += [("nxdt", p) for p in sorted(EXAMPLES.glob("hf_llama*.yaml"))]
+        found += [("nxdt", p) for pattern in ("hf_llama*.yaml", "hf_mixtral*.yaml")
+                  for p in sorted(EXAMPLES.glob(pattern))]
     return found
 
 
@@ -67,10 +71,26 @@ def _tiny_model_json(path: Path, vocab: int) -> Path:
     return path
 
 
+def _tiny_mixtral_json(path: Path, vocab: int) -> Path:
+    path.write_text(json.dumps({
+        "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "vocab_size": vocab, "hidden_size": 64,
+        "intermediate_size": 96, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "hidden_act": "silu",
+        "num_local_experts": 8, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.02,
+        "output_router_logits": False, "router_jitter_noise": 0.0, "sliding_window": None,
+        "tie_word_embeddings": False, "initializer_range": 0.02}))
+    return path
+
+
+def _is_moe(tree: dict) -> bool:
+    return _has(tree, "model.moe")
+
+
 def _layout(tree: dict) -> tuple[int, int, int]:
-    """(TP, PP, CP) of the shrunk run: PP 2 / CP 2 kept where the original has them, TP 2 if room remains."""
+    """(TP, PP, CP) of the shrunk run: PP 2 / CP 2 kept where the original has them (PP 1 for mixture-of-experts
+    files: MoE with PP is not supported yet), TP 2 if room remains."""
     ds = tree.get("distributed_strategy") or {}
-    pp = 2 if int(ds.get("pipeline_model_parallel_size", 1)) > 1 else 1
+    pp = 2 if int(ds.get("pipeline_model_parallel_size", 1)) > 1 and not _is_moe(tree) else 1
     cp = 2 if int(ds.get("context_parallel_size", 1) or 1) > 1 else 1
     tp = 2 if pp * cp < 4 and int(ds.get("tensor_model_parallel_size", 1)) > 1 else 1
     return tp, pp, cp
@@ -90,7 +110,7 @@ def shrink_overrides(tree: dict, files: dict[str, Path], run_dir: Path) -> tuple
         "distributed_strategy.tensor_model_parallel_size": tp, "distributed_strategy.pipeline_model_parallel_size": pp,
         "distributed_strategy.kv_replicator": 1,
         "data.micro_batch_size": 1, "data.global_batch_size": 4,
-        "model.model_config": str(files["align_json" if algo else "pretrain_json"]),
+        "model.model_config": str(files["align_json" if algo else "moe_json" if _is_moe(tree) else "pretrain_json"]),
         "model.num_layers": 4, "model.hidden_size": 64, "model.encoder_seq_length": SEQ,
     }
     if cp > 1 or _has(tree, "distributed_strategy.context_parallel_size"):
@@ -133,7 +153,8 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 
     root = tmp_path_factory.mktemp("nxdt_accept")
     out: dict[str, Path] = {"corpus": Path(_small_corpus(str(root))), "cache": root / "cache",
-                            "pretrain_json": _tiny_model_json(root / "pretrain_config.json", 512)}
+                            "pretrain_json": _tiny_model_json(root / "pretrain_config.json", 512),
+                            "moe_json": _tiny_mixtral_json(root / "mixtral_config.json", 512)}
     try:
         from nxd_lc.models.llama.gguf_import import prepare_smollm2
 
@@ -197,8 +218,9 @@ def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Pat
 def test_examples_are_present_or_skipped() -> None:
     if not EXAMPLES.is_dir():
         pytest.skip(f"{EXAMPLES} is absent (NxDT's example configs live beside the checkout)")
-    names = {p.stem for p in EXAMPLES.glob("hf_llama*.yaml")}
-    assert {"hf_llama3_8B_config", "hf_llama3_70B_config", "hf_llama3_70B_CP_config"} <= names
+    names = {p.stem for p in EXAMPLES.glob("hf_*.yaml")}
+    assert {"hf_llama3_8B_config", "hf_llama3_70B_config", "hf_llama3_70B_CP_config", "hf_mixtral_8x7b_config",
+            "hf_mixtral_8x7b_dropless_config"} <= names
 
 
 @pytest.mark.compat

@@ -162,6 +162,17 @@ def test_adam_weight_decay_is_l2() -> None:
         torch.testing.assert_close(after, before)
 
 
+def test_capturable_is_not_passed_for_cpu_parameters() -> None:
+    """NxDT's Mixtral examples set ``capturable: True`` (graph capture on XLA); torch refuses it for CPU tensors at
+    the first step, so CPU parameters get an optimizer without it (and it steps)."""
+    model = _Block()
+    opt = build_optimizer(model.named_parameters(), OptimConfig(name="adamw", capturable=True), False)
+    assert opt.param_groups[0]["capturable"] is False
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+
+
 def test_optimizer_types_and_hyperparameters() -> None:
     model = _Block()
     cfg = OptimConfig(name="adamw_fp32OptState", lr=1.5e-4, weight_decay=0.01, betas=[0.8, 0.95], eps=1e-6)

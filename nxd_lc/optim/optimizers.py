@@ -24,6 +24,8 @@ and hard-codes weight_decay 0.01 for the decayed group. nxd_lc follows NeMo and 
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -33,6 +35,8 @@ from nxd_lc.config.schema import OptimConfig
 from nxd_lc.config.validate import OPTIMIZERS
 from nxd_lc.optim.novograd import Novograd
 from nxd_lc.precision.policy import PrecisionPolicy
+
+log = logging.getLogger(__name__)
 
 ParamGroup = dict[str, Any]
 
@@ -281,6 +285,11 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
     _check_unused_keys(name, optim_cfg)
     groups = param_groups(named_params, optim_cfg.weight_decay, do_layer_norm_weight_decay)
     builder = OPTIMIZER_BUILDERS[name]
+    on_cpu = any(p.device.type == "cpu" for g in groups for p in g["params"])
+    if optim_cfg.capturable and on_cpu:  # graph capture (CUDA graphs / XLA) does not exist on CPU; torch refuses it
+        log.info("model.optim.capturable: true has no meaning for CPU parameters (no graph capture) and is not "
+                 "passed to %s here; it applies on cuda / xla / neuron", name)
+        optim_cfg = dataclasses.replace(optim_cfg, capturable=False)
     if policy is not None and (policy.low_precision_params or zero1):
         from nxd_lc.optim.wrapper import NxDOptimizer
 

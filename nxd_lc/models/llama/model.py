@@ -203,8 +203,8 @@ def _apply_hf_config_overrides(raw: dict[str, Any], hf_overrides: Mapping[str, A
         if key not in known:
             close = difflib.get_close_matches(key, sorted(known), n=1)
             hint = f"did you mean {close[0]!r}?" if close else f"see the {config_class.__name__} fields"
-            raise ValueError(f"model.hf_config_overrides.{key}: not a {config_class.__name__} config.json key; "
-                             f"{hint}")
+            family = config_class.__name__.removesuffix("Config")
+            raise ValueError(f"model.hf_config_overrides.{key}: not a {family} config.json key; {hint}")
     if "rope_scaling" in hf and "rope_parameters" in hf:
         raise ValueError("model.hf_config_overrides: set rope_scaling or rope_parameters, not both")
     rope = _pop_rope(raw)
@@ -268,7 +268,8 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
     try:
         config = config_class.from_dict(raw)
     except Exception as e:  # noqa: BLE001 - transformers raises strict-validation errors, KeyError, ...
-        raise ValueError(f"model.model_config: {model_config_path} is not a valid {config_class.__name__}: {e}") from e
+        family = config_class.__name__.removesuffix("Config")
+        raise ValueError(f"model.model_config: {model_config_path} is not a valid {family} config: {e}") from e
     seq = overrides.get("encoder_seq_length")
     if seq not in (None, -1) and seq > config.max_position_embeddings:
         raise ValueError(
