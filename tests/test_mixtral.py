@@ -1,6 +1,7 @@
 """nxd_lc's MixtralForCausalLM against transformers' MixtralForCausalLM with the same weights (loaded from the
 safetensors files transformers writes): loss with the router's load-balancing term, the aux loss itself, logits and
-every gradient, single-process and at TP 2 + SP and EP 2 (gloo)."""
+every gradient, single-process and at TP 2 + SP and EP 2 (gloo), and under pipeline parallelism (PP 2, 1F1B and
+interleaved) against transformers' gradient accumulation over the same micro-batches."""
 
 from __future__ import annotations
 
@@ -27,18 +28,21 @@ def _config() -> MixtralConfig:
                          tie_word_embeddings=False)
 
 
-def _save_hf(path: Path) -> None:
+def _save_hf(path: Path, layers: int = 2) -> None:
     torch.manual_seed(0)
-    model = HFMixtral(_config())
+    config = _config()
+    config.num_hidden_layers = layers
+    model = HFMixtral(config)
     with torch.no_grad():
         for p in model.parameters():  # larger than HF's init so routing and experts matter
             p.normal_(0, 0.2)
     model.save_pretrained(path)
 
 
-def _hf_reference(path: Path, ids: torch.Tensor) -> dict[str, Any]:
+def _hf_reference(path: Path, ids: torch.Tensor, layers: int = 2) -> dict[str, Any]:
     """transformers: loss (CE + coef * aux), aux, logits and gradients under nxd_lc's parameter names (full)."""
     model = HFMixtral.from_pretrained(path, attn_implementation="eager").float()
+    assert model.config.num_hidden_layers == layers
     out = model(input_ids=ids, labels=ids)
     out.loss.backward()
     g = {n: p.grad for n, p in model.named_parameters()}
@@ -114,8 +118,6 @@ def test_frequency_and_unsupported_settings() -> None:
     cfg.router_jitter_noise = 0.1
     with pytest.raises(ValueError, match="router_jitter_noise 0.1 .*not supported yet"):
         MixtralForCausalLM(cfg)
-    with pytest.raises(ValueError, match="pipeline parallelism with mixture-of-experts layers is not supported yet"):
-        MixtralForCausalLM(_config(), keep_layers=[0])
     with pytest.raises(ValueError, match="model.moe.frequency must be >= 1"):
         MixtralForCausalLM(_config(), moe=MoEOptions(frequency=0))
 
@@ -139,3 +141,50 @@ def test_parallel_matches_transformers(tmp_path: Path, tp: int, ep: int, sp: boo
     """EP 2 is carved from DP 2: each rank has its own micro-batch; an expert's gradient sums both ranks'."""
     _save_hf(tmp_path)
     run_distributed(_dist_worker, 2, str(tmp_path), tp, ep, sp)
+
+
+def _pp_reference(path: Path, ids: torch.Tensor, layers: int) -> dict[str, Any]:
+    """transformers, one process: the mean over micro-batches (one row each) of each micro-batch's loss (CE +
+    coef * aux, the aux pooled over that micro-batch's MoE layers), and its gradients under nxd_lc's names."""
+    ref = _hf_reference(path, ids[:1], layers)
+    grads = {k: v / ids.shape[0] for k, v in ref["grads"].items()}
+    loss = ref["loss"] / ids.shape[0]
+    for m in range(1, ids.shape[0]):
+        r = _hf_reference(path, ids[m:m + 1], layers)
+        loss = loss + r["loss"] / ids.shape[0]
+        grads = {k: v + r["grads"][k] / ids.shape[0] for k, v in grads.items()}
+    return {"loss": loss, "grads": grads}
+
+
+def _pp_worker(rank: int, world: int, path: str, virtual: int, layers: int) -> None:
+    from nxd_lc.pipeline import PipelineEngine, stage_layer_ranges
+
+    parallel_state.initialize_model_parallel(pipeline_model_parallel_size=world)
+    ids = torch.randint(0, 96, (4, 12), generator=torch.Generator().manual_seed(7))
+    ref = _pp_reference(Path(path), ids, layers)
+    ranges = stage_layer_ranges(layers, world, virtual)
+    stages = [s for s in range(world * virtual) if s % world == parallel_state.get_pipeline_model_parallel_rank()]
+    config = _config()
+    config.num_hidden_layers = layers
+    model = MixtralForCausalLM(config, keep_layers={i for s in stages for i in ranges[s]},
+                               keep_embedding=0 in stages, keep_head=world * virtual - 1 in stages)
+    load_hf_weights(model, path)
+    engine = PipelineEngine(model, ranges, virtual_size=virtual, micro_batch_size=1, sequence_parallel=False)
+    loss = engine.train_step({"input_ids": ids, "labels": _labels(ids),
+                              "position_ids": torch.arange(12).expand_as(ids)})
+    torch.testing.assert_close(loss, ref["loss"], atol=1e-5, rtol=1e-5)
+    names = [n for n, _ in model.named_parameters()]
+    assert any(".mlp.router." in n for n in names)
+    for name, param in model.named_parameters():  # this rank's stages: every gradient equals transformers'
+        torch.testing.assert_close(param.grad, ref["grads"][name], atol=2e-5, rtol=1e-4, msg=f"{name}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("virtual", "layers"), [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)],
+                         ids=["pp2", "pp2_vpp2"])
+def test_pipeline_matches_transformers(tmp_path: Path, virtual: int, layers: int) -> None:
+    """The routing statistics of stage 0's MoE layers travel to the last stage with the hidden states: the loss
+    (with the load-balancing term pooled over all layers of each micro-batch) and every gradient, the routers' and
+    the earlier stages' experts' included, equal transformers'."""
+    _save_hf(tmp_path, layers)
+    run_distributed(_pp_worker, 2, str(tmp_path), virtual, layers)

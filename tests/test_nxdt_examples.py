@@ -9,8 +9,7 @@ CP > 1; ``kv_replicator`` 1), micro batch 1, global batch 4 (pairs for DPO / ORP
 interpreter's stdlib sources with a byte-level BPE for pretraining; small jsonl files in NxDT's SFT / preference
 formats with the SmolLM2 tokenizer for alignment), the run and compile-cache directories, and 2 steps with a
 checkpoint at step 2. No key is removed. The Mixtral files get a tiny Mixtral ``config.json`` (8 experts, as their
-``model.moe.num_experts``) and keep their ``model.moe`` keys; their PP 4 becomes PP 1, because mixture-of-experts
-layers with pipeline parallelism are not supported yet (validation says so), and TP 2 stands for their TP 32.
+``model.moe.num_experts``) and keep their ``model.moe`` keys (PP 2 for their PP 4, TP 1 for their TP 32).
 """
 
 from __future__ import annotations
@@ -87,10 +86,9 @@ def _is_moe(tree: dict) -> bool:
 
 
 def _layout(tree: dict) -> tuple[int, int, int]:
-    """(TP, PP, CP) of the shrunk run: PP 2 / CP 2 kept where the original has them (PP 1 for mixture-of-experts
-    files: MoE with PP is not supported yet), TP 2 if room remains."""
+    """(TP, PP, CP) of the shrunk run: PP 2 / CP 2 kept where the original has them, TP 2 if room remains."""
     ds = tree.get("distributed_strategy") or {}
-    pp = 2 if int(ds.get("pipeline_model_parallel_size", 1)) > 1 and not _is_moe(tree) else 1
+    pp = 2 if int(ds.get("pipeline_model_parallel_size", 1)) > 1 else 1
     cp = 2 if int(ds.get("context_parallel_size", 1) or 1) > 1 else 1
     tp = 2 if pp * cp < 4 and int(ds.get("tensor_model_parallel_size", 1)) > 1 else 1
     return tp, pp, cp

@@ -110,9 +110,11 @@ class PipelineEngine:
         tp = ps.get_tensor_model_parallel_world_size()
         act = stage_activation_shape(self.micro_batch_size, seq_local, hidden, tp, self.sequence_parallel)
         dtype = self._activation_dtype()
-        inputs = (meta_like((self.micro_batch_size, seq_local), torch.long, device) if module.is_first
-                  else meta_like(act, dtype, device))
-        outputs = meta_like((1,), torch.float32, device) if module.is_last else meta_like(act, dtype, device)
+        carried = self.model.pipeline_statistics_size  # e.g. MoE routing statistics beside the hidden states
+        stream: Any = (meta_like(act, dtype, device), meta_like((carried,), torch.float32, device)) if carried \
+            else meta_like(act, dtype, device)
+        inputs = meta_like((self.micro_batch_size, seq_local), torch.long, device) if module.is_first else stream
+        outputs = meta_like((1,), torch.float32, device) if module.is_last else stream
         return pipeline_stage_class()(module, module.stage_index, self.num_stages, device, input_args=inputs,
                              output_args=outputs, group=ps.get_pipeline_model_parallel_group())
 

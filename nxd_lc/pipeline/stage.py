@@ -8,6 +8,11 @@ sequence parallelism), in the parameters' dtype.
     middle stage: forward(h,                position_ids, segment_ids, labels) -> h [B, S(/tp), H]
     last stage:   forward(h,                position_ids, segment_ids, labels) -> loss [1] fp32
 
+A model whose layers return statistics (mixture of experts: ``model.pipeline_statistics_size`` > 0) sends them
+on beside the hidden states: non-first stages take ``(h, stats)``, non-last stages return ``(h, stats
+[pipeline_statistics_size] fp32)``, and the last stage's causal-LM loss adds the model's auxiliary term
+(``model.add_auxiliary_loss``, e.g. the load-balancing loss over every MoE layer of the micro-batch).
+
 The last stage returns the micro-batch's token-mean loss (under CP this rank's share scaled by CP, see
 :func:`nxd_lc.context.context_parallel_loss`) as a ``[1]`` tensor, so the schedule can stack the per-micro-batch
 values. A :class:`StageObjective` set on the stage (``stage.objective``) replaces that causal-LM loss: it maps
@@ -59,6 +64,7 @@ def causal_lm_objective(model: nn.Module, hidden: torch.Tensor,
     from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
 
     loss_sum, num_tokens = causal_lm_loss_from_hidden(model, hidden, kwargs["labels"])
+    loss_sum = model.add_auxiliary_loss(loss_sum, num_tokens)
     sums = torch.stack([loss_sum.detach().float(), num_tokens.detach().float()])
     return context_parallel_loss(loss_sum, num_tokens), {"sums": sums}
 
@@ -106,11 +112,12 @@ class PipelineStageModule(nn.Module):
         """The rank model this stage belongs to."""
         return self._model[0]
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-                **extra: torch.Tensor) -> torch.Tensor:
-        """See the module docstring; ``labels`` [B, S] (shifted, -100 = no target) is used by the last stage;
-        ``extra`` keyword tensors (chunked per micro-batch along dim 0) are passed to the objective only.
+                **extra: torch.Tensor) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See the module docstring; ``carried``: the previous stage's statistics (models that carry some);
+        ``labels`` [B, S] (shifted, -100 = no target) is used by the last stage; ``extra`` keyword tensors
+        (chunked per micro-batch along dim 0) are passed to the objective only.
 
         Raises:
             ValueError: bad shapes (first stage: as ``LlamaForCausalLM.hidden_states``), or no labels on the
@@ -126,10 +133,13 @@ class PipelineStageModule(nn.Module):
         if position_ids is None:
             raise ValueError(f"pipeline stage {self.stage_index}: position_ids are required after the first stage")
         cos, sin = self.rotary_emb(position_ids)
+        stats = model.pipeline_statistics_size > 0
+        if stats:
+            model.begin_pipeline_stage(None if self.is_first else carried[0])
         for layer in self.layers:
-            h = layer(h, cos, sin, segment_ids)
+            h = model.collect_layer_statistics(layer(h, cos, sin, segment_ids))
         if not self.is_last:
-            return h
+            return (h, model.end_pipeline_stage()) if stats else h
         if labels is None:
             raise ValueError("pipeline: the last stage needs the micro-batch's labels")
         if self.objective is not None:

@@ -602,6 +602,23 @@ class LlamaForCausalLM(nn.Module):
             h = self.collect_layer_statistics(out)
         return h
 
+    #: fp32 values of per-layer statistics that travel between pipeline stages beside the hidden states (0: none;
+    #: a family whose layers return statistics, e.g. mixture of experts, sets it and overrides the methods below)
+    pipeline_statistics_size: int = 0
+
+    def begin_pipeline_stage(self, carried: torch.Tensor | None) -> None:
+        """A pipeline stage starts: ``carried`` [pipeline_statistics_size] fp32 from the previous stage (None on
+        the first). Llama carries nothing."""
+
+    def end_pipeline_stage(self) -> torch.Tensor:
+        """A (non-last) pipeline stage ends: the statistics to send on, [pipeline_statistics_size] fp32."""
+        raise NotImplementedError(f"{type(self).__name__} carries no statistics between pipeline stages")
+
+    def add_auxiliary_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """``loss_sum`` of the micro-batch's token losses plus any auxiliary term, times ``num_tokens`` so that
+        ``loss_sum / num_tokens`` adds the term once (Llama: none; mixture of experts: the load-balancing loss)."""
+        return loss_sum
+
     def collect_layer_statistics(self, out: torch.Tensor | tuple[torch.Tensor, Any]) -> torch.Tensor:
         """A decoder layer's output -> its hidden states [B, S(/tp), H]. Llama layers return only those; a
         family whose layers also return statistics (mixture of experts) overrides this to keep them."""

@@ -15,9 +15,12 @@ value by ``top_k``; nxd_lc follows transformers, so a coefficient tuned on NxD c
 here. :meth:`loss` folds the term into the summed loss (``+ coef * aux * num_tokens``) so that every consumer of
 ``(loss_sum, num_tokens)`` gets the same mean.
 
-Not supported yet (constructor errors): pipeline parallelism (the per-layer statistics would have to travel
-between stages), context parallelism (the statistics would have to be summed over CP ranks), router jitter
-noise and sliding-window attention.
+Pipeline parallelism: the routing statistics of the MoE layers so far travel between stages beside the hidden
+states (``[assignments (E), affinity sums (E), tokens]`` fp32, ``pipeline_statistics_size = 2E + 1``; the
+affinity sums carry gradients back), so the last stage computes the same pooled loss as one process.
+
+Not supported yet (constructor errors): context parallelism (the statistics would have to be summed over CP
+ranks), router jitter noise and sliding-window attention.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
         config: HF Mixtral config (``num_local_experts``, ``num_experts_per_tok``, ``router_aux_loss_coef``,
             ``output_router_logits`` are read from it).
         moe: :class:`MoEOptions`.
-        keep_layers, keep_embedding, keep_head: must stay at their defaults (no pipeline parallelism yet).
+        keep_layers, keep_embedding, keep_head: this rank's part under pipeline parallelism (as Llama).
         Other arguments: as :class:`~nxd_lc.models.llama.model.LlamaForCausalLM`.
 
     Raises:
@@ -78,8 +81,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
         problems = []
         if self.moe_options.frequency < 1:
             problems.append(f"model.moe.frequency must be >= 1, got {self.moe_options.frequency}")
-        if keep_layers is not None or not keep_embedding or not keep_head:
-            problems.append("pipeline parallelism with mixture-of-experts layers is not supported yet")
         if parallel_state.get_context_parallel_world_size() > 1:
             problems.append("context parallelism with mixture-of-experts layers is not supported yet")
         if float(getattr(config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
@@ -97,7 +98,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self.output_router_logits = bool(config.output_router_logits)
         self.router_aux_loss_coef = float(config.router_aux_loss_coef)
         self.router_stats: RouterStats | None = None
-        super().__init__(config, sequence_parallel=sequence_parallel, **kwargs)
+        self.pipeline_statistics_size = 2 * self.num_experts + 1
+        super().__init__(config, sequence_parallel=sequence_parallel, keep_layers=keep_layers,
+                         keep_embedding=keep_embedding, keep_head=keep_head, **kwargs)
 
     def is_moe_layer(self, index: int) -> bool:
         """Whether decoder layer ``index`` (0-based) has a mixture-of-experts block."""
@@ -128,6 +131,32 @@ class MixtralForCausalLM(LlamaForCausalLM):
         self.router_stats = stats if self.router_stats is None else self.router_stats + stats
         return h
 
+    def begin_pipeline_stage(self, carried: torch.Tensor | None) -> None:
+        """Start a stage's ``router_stats`` from the previous stages' ``[assignments, affinity sums, tokens]``."""
+        if carried is None:
+            self.router_stats = None
+            return
+        e = self.num_experts
+        self.router_stats = RouterStats(carried[:e].detach(), carried[e:2 * e], carried[2 * e])
+
+    def end_pipeline_stage(self) -> torch.Tensor:
+        """This stage's accumulated ``router_stats`` packed as [2E + 1] fp32 for the next stage.
+
+        Raises:
+            RuntimeError: no MoE layer ran in this or an earlier stage (layer 0 always is one).
+        """
+        s = self.router_stats
+        if s is None:
+            raise RuntimeError("pipeline stage: no mixture-of-experts layer ran before the end of the stage")
+        return torch.cat([s.assignments, s.affinity_sum, s.tokens.reshape(1)]).float()
+
+    def add_auxiliary_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
+        """``loss_sum + router_aux_loss_coef * aux * num_tokens`` when ``output_router_logits`` and MoE layers ran
+        (module docstring), else ``loss_sum``."""
+        if not self.output_router_logits or self.router_stats is None:
+            return loss_sum
+        return loss_sum + self.router_aux_loss_coef * self.aux_loss() * num_tokens.to(loss_sum.dtype)
+
     def aux_loss(self) -> torch.Tensor:
         """The load-balancing loss of the last forward's MoE layers (0-dim fp32, differentiable).
 
@@ -144,6 +173,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
         num_tokens`` added to ``loss_sum`` when ``output_router_logits`` (module docstring)."""
         hidden = self.hidden_states(input_ids, position_ids, segment_ids)
         loss_sum, num_tokens = causal_lm_loss_from_hidden(self, hidden, labels, ignore_index)
-        if self.output_router_logits and self.router_stats is not None:
-            loss_sum = loss_sum + self.router_aux_loss_coef * self.aux_loss() * num_tokens.to(loss_sum.dtype)
-        return loss_sum, num_tokens
+        return self.add_auxiliary_loss(loss_sum, num_tokens), num_tokens
