@@ -1,6 +1,9 @@
 """Acceptance: every NxDT HF example config (``../shared/reference/nxdt_examples/hf_llama*`` and ``hf_mixtral*``,
-NxDT's own files, unchanged) and every NxDT-named config in ``conf/`` trains 2 steps with a checkpoint through
-``train.py`` under torchrun, given only command-line overrides that shrink it.
+NxDT's own files, unchanged) trains 2 steps with a checkpoint through ``train.py`` under torchrun, given only
+command-line overrides that shrink it. nxd_lc's NxDT-named copies in ``conf/`` differ from those files only in keys
+the shrinking overrides replace (``model.model_config``, and ``kv_replicator`` in the Mixtral copies), which a fast
+test checks, so their shrunk runs would repeat the originals' exactly: they are trained instead of the originals
+only when the originals are absent (a checkout without ``../shared``), and validated at full size always.
 
 The overrides (built by :func:`shrink_overrides` from the file's own keys; ``+`` only for keys the file lacks): a
 tiny ``config.json`` (4 layers, hidden 64), sequence 64, warm-up 1 step, 2-4 processes (TP 1-2; PP 2 where the
@@ -23,6 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO.parent / "shared" / "reference" / "nxdt_examples"
@@ -30,13 +34,29 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SEQ = 64
 
 
+_PATTERNS = ("hf_llama*.yaml", "hf_mixtral*.yaml")
+#: keys in which nxd_lc's conf/ copies may differ from NxDT's files (each replaced by the shrinking overrides)
+_COPY_DIFFERENCES = {"model.model_config", "distributed_strategy.kv_replicator"}
+
+
+def _conf_copies() -> list[Path]:
+    return [p for pattern in _PATTERNS for p in sorted((REPO / "conf").glob(pattern))]
+
+
 def _configs() -> list[tuple[str, Path]]:
-    found = [("conf", p) for pattern in ("hf_llama*.yaml", "hf_mixtral*.yaml")
-             for p in sorted((REPO / "conf").glob(pattern))]
+    """NxDT's own files when present, else nxd_lc's conf/ copies (module docstring)."""
     if EXAMPLES.is_dir():
-        found += [("nxdt", p) for pattern in ("hf_llama*.yaml", "hf_mixtral*.yaml")
-                  for p in sorted(EXAMPLES.glob(pattern))]
-    return found
+        return [("nxdt", p) for pattern in _PATTERNS for p in sorted(EXAMPLES.glob(pattern))]
+    return [("conf", p) for p in _conf_copies()]
+
+
+def _flat(tree: object, prefix: str = "") -> dict[str, object]:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    out: dict[str, object] = {}
+    for key, value in tree.items():
+        out.update(_flat(value, f"{prefix}.{key}" if prefix else str(key)))
+    return out
 
 
 _MISSING = object()
@@ -210,6 +230,31 @@ def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Pat
     tp, pp, _ = _layout(tree)
     shards = sorted(p.name for p in (ckpts[0] / "model").iterdir() if p.suffix == ".pt")
     assert shards == [f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for t in range(tp) for p in range(pp)], shards
+
+
+@pytest.mark.compat
+def test_conf_copies_equal_nxdt_files_and_validate_at_full_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each conf/ copy holds NxDT's file key for key and value for value except :data:`_COPY_DIFFERENCES`, and
+    validates at its own full size (world = devices x num_nodes, the shipped config.json)."""
+    from nxd_lc.config.resolvers import register_resolvers
+    from nxd_lc.config.validate import load_config
+
+    register_resolvers()  # ${multiply:...} in the files
+    monkeypatch.chdir(REPO)  # model.model_config is relative to the launch directory
+    copies = _conf_copies()
+    assert len(copies) == 13, [p.name for p in copies]
+    for path in copies:
+        with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+            raw = compose(config_name=path.stem)
+        tree = yaml.safe_load(path.read_text())
+        cfg = load_config(raw, world_size=tree["trainer"]["devices"] * tree["trainer"]["num_nodes"])
+        assert Path(REPO, cfg.model.model_config).is_file(), path.name
+        original = EXAMPLES / path.name
+        if not original.is_file():
+            continue
+        mine, theirs = _flat(tree), _flat(yaml.safe_load(original.read_text()))
+        differing = {k for k in set(mine) | set(theirs) if mine.get(k, _MISSING) != theirs.get(k, _MISSING)}
+        assert differing <= _COPY_DIFFERENCES, (path.name, differing)
 
 
 @pytest.mark.compat
