@@ -188,3 +188,38 @@ def test_pipeline_matches_transformers(tmp_path: Path, virtual: int, layers: int
     the earlier stages' experts' included, equal transformers'."""
     _save_hf(tmp_path, layers)
     run_distributed(_pp_worker, 2, str(tmp_path), virtual, layers)
+
+
+def _cp_worker(rank: int, world: int, path: str, algo: str) -> None:
+    from nxd_lc.context import context_parallel_loss, set_context_parallel_algo, shard_batch_for_context_parallel
+    from nxd_lc.distributed import collectives
+    from nxd_lc.distributed.grads import allreduce_data_parallel_gradients
+
+    parallel_state.initialize_model_parallel(context_parallel_size=world)
+    set_context_parallel_algo(algo)
+    ids = _ids(0)
+    ref = _hf_reference(Path(path), ids)
+    model = MixtralForCausalLM(_config())
+    load_hf_weights(model, path)
+    batch = shard_batch_for_context_parallel(
+        {"input_ids": ids, "labels": _labels(ids), "position_ids": torch.arange(ids.shape[1]).expand_as(ids)},
+        parallel_state.get_context_parallel_rank(), world, algo)
+    loss_sum, num = model.loss(batch["input_ids"], batch["labels"], batch["position_ids"])
+    loss = context_parallel_loss(loss_sum, num)
+    loss.backward()
+    mean = collectives.all_reduce(loss.detach().reshape(1).clone(), parallel_state.get_context_parallel_group())[0]
+    torch.testing.assert_close(mean / world, ref["loss"], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(model.aux_loss().detach(), ref["aux"], atol=1e-6, rtol=1e-5)  # whole sequence
+    allreduce_data_parallel_gradients(list(model.parameters()), with_context_parallel=True)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, ref["grads"][name], atol=2e-5, rtol=1e-4, msg=f"{algo} {name}")
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("algo", ["ring", pytest.param("ulysses", marks=pytest.mark.slow)])
+def test_context_parallel_matches_transformers(tmp_path: Path, algo: str) -> None:
+    """CP 2: each rank routes its half of the sequence; the routing statistics are pooled over CP before the
+    load-balancing term, so loss, aux loss and every gradient (averaged over CP as training does) equal
+    transformers' on the whole sequence."""
+    _save_hf(tmp_path)
+    run_distributed(_cp_worker, 2, str(tmp_path), algo)

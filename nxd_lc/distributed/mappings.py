@@ -246,6 +246,33 @@ def all_to_all_context_parallel_region(x: torch.Tensor, scatter_dim: int, gather
     return _AllToAll.apply(x, scatter_dim, gather_dim, parallel_state.get_context_parallel_group())
 
 
+class _AllReduceBoth(torch.autograd.Function):
+    """Sum over ``group`` forward, and the gradients summed over ``group`` backward: the adjoint of a sum whose
+    result every rank of the group uses in its own (different) loss."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Any) -> torch.Tensor:
+        ctx.group = group
+        return collectives.all_reduce(x.contiguous().clone(), group)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return collectives.all_reduce(grad.contiguous().clone(), ctx.group), None
+
+
+def sum_over_context_parallel_region(x: torch.Tensor) -> torch.Tensor:
+    """Sum ``x`` over the context-parallel group, gradients summed over it too (identity at CP size 1).
+
+    For statistics pooled over every CP rank's tokens that each CP rank then puts into its own loss share (e.g.
+    the mixture-of-experts load-balancing loss): with losses ``L_r(S)`` of ``S = sum_r s_r``, the gradient of
+    ``sum_r L_r`` with respect to rank r's ``s_r`` is ``sum_r' dL_r'/dS``, the all-reduce of the backward.
+    """
+    group = parallel_state.get_context_parallel_group()
+    if collectives.group_size(group) == 1:
+        return x
+    return _AllReduceBoth.apply(x, group)
+
+
 def all_to_all_expert_parallel_region(x: torch.Tensor, scatter_dim: int, gather_dim: int) -> torch.Tensor:
     """All-to-all over the expert-parallel (EP) group, as :func:`all_to_all_context_parallel_region` over CP:
     e.g. expert-major token slots ``[E, C, H]`` with ``scatter_dim=0, gather_dim=1`` -> ``[E/ep, ep*C, H]``

@@ -58,8 +58,8 @@ def moe_options(moe: MoEConfig | None) -> MoEOptions:
 def moe_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> list[str]:
     """Problems of ``model.moe`` against the model config.json ``hf`` (None: not readable; only the keys' own
     values are checked then), each naming the key and the fix; ``not supported yet`` for NxDT values nxd_lc does
-    not implement (sinkhorn routing, MoE dropout) and for MoE with context parallelism, ``model.compile`` or a
-    DPO / ORPO objective (their losses would drop the load-balancing term)."""
+    not implement (sinkhorn routing, MoE dropout) and for MoE with ``model.compile`` or a DPO / ORPO objective
+    (their losses would drop the load-balancing term)."""
     moe, p = cfg.model.moe, []
     if hf is not None and moe is not None and not is_moe_model(hf):
         p.append(f"model.moe: {cfg.model.model_config} has model_type {hf.get('model_type', 'llama')!r}, a dense "
@@ -92,9 +92,6 @@ def moe_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> list[str]:
     if ep >= 1 and experts % ep:
         p.append(f"distributed_strategy.expert_model_parallel_size: {experts} experts ({where}) are not divisible "
                  f"by EP {ep}; choose an EP that divides the number of experts")
-    if ds.context_parallel_size > 1:
-        p.append("not supported yet: distributed_strategy.context_parallel_size > 1 with mixture-of-experts layers; "
-                 "set it to 1")
     align = cfg.model_alignment_strategy
     if align is not None and (align.dpo is not None or align.orpo is not None):
         p.append("not supported yet: model_alignment_strategy dpo / orpo with a mixture-of-experts model (the "

@@ -19,8 +19,12 @@ Pipeline parallelism: the routing statistics of the MoE layers so far travel bet
 states (``[assignments (E), affinity sums (E), tokens]`` fp32, ``pipeline_statistics_size = 2E + 1``; the
 affinity sums carry gradients back), so the last stage computes the same pooled loss as one process.
 
-Not supported yet (constructor errors): context parallelism (the statistics would have to be summed over CP
-ranks), router jitter noise and sliding-window attention.
+Context parallelism: each CP rank routes its own tokens (a capacity factor limits each expert per CP rank's
+tokens, as per EP / DP rank); the statistics are summed over the CP group before the loss (forward and backward,
+:func:`~nxd_lc.distributed.mappings.sum_over_context_parallel_region`), so the load-balancing term is that of
+the whole sequence and its gradient reaches every CP rank's router.
+
+Not supported yet (constructor errors): router jitter noise and sliding-window attention.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from torch import nn
 from transformers import MixtralConfig
 
 from nxd_lc.distributed import parallel_state
+from nxd_lc.distributed.mappings import sum_over_context_parallel_region
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.models.llama.model import LlamaForCausalLM, causal_lm_loss_from_hidden
 from nxd_lc.moe.layer import MoE
@@ -81,8 +86,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
         problems = []
         if self.moe_options.frequency < 1:
             problems.append(f"model.moe.frequency must be >= 1, got {self.moe_options.frequency}")
-        if parallel_state.get_context_parallel_world_size() > 1:
-            problems.append("context parallelism with mixture-of-experts layers is not supported yet")
         if float(getattr(config, "router_jitter_noise", 0.0) or 0.0) != 0.0:
             problems.append(f"router_jitter_noise {config.router_jitter_noise} in the Mixtral config is not "
                             "supported yet; set it to 0")
@@ -165,7 +168,12 @@ class MixtralForCausalLM(LlamaForCausalLM):
         """
         if self.router_stats is None:
             raise RuntimeError("aux_loss: no mixture-of-experts layer ran; call hidden_states / forward / loss first")
-        return load_balancing_loss(self.router_stats, self.num_experts)
+        s = self.router_stats
+        if parallel_state.get_context_parallel_world_size() > 1:  # the whole sequence's statistics
+            pooled = sum_over_context_parallel_region(torch.cat([s.assignments, s.affinity_sum, s.tokens.reshape(1)]))
+            e = self.num_experts
+            s = RouterStats(pooled[:e].detach(), pooled[e:2 * e], pooled[2 * e].detach())
+        return load_balancing_loss(s, self.num_experts)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
              ignore_index: int = -100, segment_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
