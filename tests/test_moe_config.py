@@ -254,5 +254,19 @@ def test_tiny_mixtral_config_trains_at_ep2_and_resumes(tmp_path: Path) -> None:
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert f"resuming from {tag}" in second.stdout
     assert "step 4/4 | loss" in second.stdout + second.stderr
-    assert json.loads((log_dir / "checkpoints" / "cpu_tiny_mixtral--step=4-consumed_samples=16.0" / "done")
-                      .read_text())["step"] == 4
+    last = log_dir / "checkpoints" / "cpu_tiny_mixtral--step=4-consumed_samples=16.0"
+    assert json.loads((last / "done").read_text())["step"] == 4
+    # the EP 2 checkpoint converts to HF on 2 processes (one per EP rank); transformers reads every expert back
+    out = tmp_path / "hf"
+    conv = _run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "nxd_lc.checkpoint.convert", "--config-name",
+                 "cpu_tiny_mixtral_config", "--checkpoint", str(last), "--output", str(out),
+                 "--save-tokenizer", "false"])
+    assert conv.returncode == 0, conv.stdout[-4000:] + conv.stderr[-4000:]
+    from transformers import MixtralForCausalLM as HFMixtral
+
+    hf = HFMixtral.from_pretrained(out).state_dict()
+    shards = [sharded.load_checkpoint(str(last.parent), last.name, dp_rank=0, tp_rank=0, pp_rank=0, ep_rank=e,
+                                      load_optim=False)[0] for e in (0, 1)]
+    full = torch.cat([shards[0][key], shards[1][key]]).float()  # experts 0-3 from EP rank 0, 4-7 from EP rank 1
+    assert torch.equal(hf["model.layers.0.mlp.experts.gate_up_proj"].float(), full)
+    assert torch.equal(hf["model.layers.0.mlp.gate.weight"].float(), shards[0][router].float())

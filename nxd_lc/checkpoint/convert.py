@@ -5,7 +5,9 @@
     torchrun --nproc_per_node=<TP> -m nxd_lc.checkpoint.convert --config-name cpu_tiny_llama_config \\
         --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints/<tag> --output nxd_lc_runs/hf/cpu_tiny_llama
 
-Runs at the checkpoint's tensor-parallel size (one process per TP rank; PP = 1). Every rank builds the model
+Runs at the checkpoint's tensor-parallel size (one process per TP rank; PP = 1; a checkpoint saved with expert
+parallelism, ``dp_rank_00_ep_rank_XX_...`` files, needs TP x EP processes, each loading its EP rank's experts,
+gathered over EP on export). Every rank builds the model
 of the run's config (sharded at construction, as in training), loads its own model shard
 (``<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_00.pt``, xser or plain, via
 :func:`nxd_lc.checkpoint.sharded.load_checkpoint`; keys are the LightningModule's ``model.<name>``), and then
@@ -177,15 +179,18 @@ def checkpoint_parallel_sizes(tag_dir: str) -> tuple[int, int]:
 
     Raises:
         FileNotFoundError: no model shards, or the shard of a (TP, PP) rank is missing (incomplete checkpoint).
-        NotImplementedError: the checkpoint was saved with expert parallelism (converting it is not supported yet).
     """
     from nxd_lc.checkpoint.reshard import saved_layout
 
     saved = saved_layout(tag_dir)
-    if saved.ep > 1:
-        raise NotImplementedError(f"checkpoint {tag_dir} was saved with expert_model_parallel_size {saved.ep}: "
-                                  "converting expert-parallel (mixture-of-experts) checkpoints is not supported yet")
     return saved.tp, saved.pp
+
+
+def checkpoint_expert_parallel_size(tag_dir: str) -> int:
+    """Expert-parallel size a checkpoint was saved with (1: model files without ``ep_rank``)."""
+    from nxd_lc.checkpoint.reshard import saved_layout
+
+    return saved_layout(tag_dir).ep
 
 
 def checkpoint_tp_size(tag_dir: str) -> int:
@@ -196,12 +201,13 @@ def checkpoint_tp_size(tag_dir: str) -> int:
 def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
     """Check that ``cfg`` and the launch match the checkpoint's layout; returns its TP size.
 
-    Pipeline stages are gathered: the converter runs one process per TP rank, each loading that TP rank's shard
+    Pipeline stages are gathered: the converter runs one process per (EP, TP) rank, each loading that rank's shard
     of every pipeline stage.
 
     Raises:
-        ValueError: the config's ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` or the number of
-            launched processes differs from the checkpoint's (each names the fix).
+        ValueError: the config's ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
+            ``expert_model_parallel_size`` or the number of launched processes differs from the checkpoint's (each
+            names the fix).
         FileNotFoundError: see :func:`checkpoint_parallel_sizes`.
     """
     tp, pp = checkpoint_parallel_sizes(tag_dir)
@@ -216,9 +222,15 @@ def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
                          f"the config has distributed_strategy.tensor_model_parallel_size="
                          f"{ds.tensor_model_parallel_size}; pass the override "
                          f"distributed_strategy.tensor_model_parallel_size={tp}")
-    if world_size != tp:
-        raise ValueError(f"TP mismatch: checkpoint {tag_dir} has {tp} TP shard(s) but {world_size} process(es) "
-                         f"were launched; run with torchrun --nproc_per_node={tp}")
+    ep = checkpoint_expert_parallel_size(tag_dir)
+    if ds.expert_model_parallel_size != ep:
+        raise ValueError(f"EP mismatch: checkpoint {tag_dir} was saved with expert_model_parallel_size {ep} but the "
+                         f"config has distributed_strategy.expert_model_parallel_size="
+                         f"{ds.expert_model_parallel_size}; pass the override "
+                         f"distributed_strategy.expert_model_parallel_size={ep}")
+    if world_size != tp * ep:
+        raise ValueError(f"TP mismatch: checkpoint {tag_dir} has {tp} TP x {ep} EP shard(s) but {world_size} "
+                         f"process(es) were launched; run with torchrun --nproc_per_node={tp * ep}")
     return tp
 
 
@@ -251,9 +263,10 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
 
 
 def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_rank: int,
-                     use_xser: bool | None = None, adapters_only: bool = False) -> None:
+                     use_xser: bool | None = None, adapters_only: bool = False, ep_rank: int | None = None) -> None:
     """Copy this TP rank's model shard of ``<ckpt_root>/<tag>`` into ``model`` (strict: every parameter; with
-    ``adapters_only`` every LoRA adapter, the checkpoint of ``model_alignment_strategy.peft.save_lora_base: false``).
+    ``adapters_only`` every LoRA adapter, the checkpoint of ``model_alignment_strategy.peft.save_lora_base: false``);
+    ``ep_rank``: this rank's EP rank for a checkpoint saved with expert parallelism.
 
     Raises:
         FileNotFoundError: see :func:`nxd_lc.checkpoint.sharded.load_checkpoint`.
@@ -264,7 +277,7 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
     state: Any = {}
     for pp_rank in range(pp):  # pipeline stages hold disjoint parameters, named as in the whole model
         part, _, _ = sharded.load_checkpoint(ckpt_root, tag, dp_rank=0, tp_rank=tp_rank, pp_rank=pp_rank,
-                                             load_optim=False, use_xser=use_xser)
+                                             load_optim=False, use_xser=use_xser, ep_rank=ep_rank)
         if not isinstance(part, dict):
             state = part
             break
@@ -362,11 +375,12 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
     root, tag = resolve_checkpoint(checkpoint)
     tag_dir = os.path.join(root, tag)
     tp = check_layout(cfg, tag_dir, collectives.get_global_world_size())
+    ep = checkpoint_expert_parallel_size(tag_dir)
     output = os.path.abspath(output)
     _check_output(output, overwrite)
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
-        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
                                      kv_replicator=cfg.distributed_strategy.kv_replicator)
     elif ps.get_tensor_model_parallel_world_size() != tp:
         raise ValueError(f"parallel_state has TP size {ps.get_tensor_model_parallel_world_size()} but checkpoint "
@@ -377,7 +391,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         lora_only = peft is not None and not peft.save_lora_base  # base weights from model.hf_weights_dir
         model = build_model(cfg, load_weights=lora_only)
         load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser,
-                         adapters_only=lora_only)
+                         adapters_only=lora_only, ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
         if peft is not None:
             merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
         tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None

@@ -25,7 +25,8 @@ transformers' ``save_pretrained`` writes; ``E`` experts, ``ep`` the EP size):
                                                                      this EP rank's experts)
     model.layers.N.block_sparse_moe.experts.e.w2.weight   [H, I] -> layers.N.mlp.experts.down_proj [E/ep, H, I/tp]
 
-Exporting mixture-of-experts weights back to HF is not supported yet.
+Export (:func:`export_hf_state_dict`) gathers each expert tensor over TP and then over EP, and writes every
+expert's ``w1`` / ``w3`` / ``w2`` under the same names.
 
 Loading (:func:`load_hf_weights`) opens the safetensors files with ``safe_open`` and reads each
 tensor through ``get_slice``, so a rank reads only its own TP shard (q/k/v: only its heads, the KV
@@ -367,14 +368,27 @@ def _on_other_stage(model: LlamaForCausalLM, hf_name: str) -> bool:
     return False
 
 
-def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
-    """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds).
+def _export_experts(e: _Entry) -> dict[str, torch.Tensor]:
+    """Every expert's HF tensors of a MoE layer's ``gate_up_proj`` (``experts.<e>.w1`` / ``w3`` [I, H]) or
+    ``down_proj`` (``experts.<e>.w2`` [H, I]): gathered over TP, then over EP (all E experts on every rank).
+    Collective over the TP and EP groups."""
+    param = next(iter(e.params.values()))
+    full = collectives.all_gather(gather_full_parameter(param).contiguous(), 0,
+                                  parallel_state.get_expert_model_parallel_group())  # [E, 2I, H] / [E, H, I]
+    prefix = e.hf_names[0].split(".experts.")[0]
+    if e.kind == "experts_down":
+        return {f"{prefix}.experts.{i}.w2.weight": full[i] for i in range(full.shape[0])}
+    half = full.shape[1] // 2
+    out = {}
+    for i in range(full.shape[0]):
+        out[f"{prefix}.experts.{i}.w1.weight"] = full[i, :half]
+        out[f"{prefix}.experts.{i}.w3.weight"] = full[i, half:]
+    return out
 
-    Raises:
-        NotImplementedError: mixture-of-experts weights (exporting them is not supported yet).
-    """
-    if e.kind.startswith("experts"):
-        raise NotImplementedError("exporting mixture-of-experts (Mixtral) weights to HF is not supported yet")
+
+def _export_entry(e: _Entry, model: LlamaForCausalLM) -> list[torch.Tensor]:
+    """Full HF tensors for ``e.hf_names`` (collective over TP for sharded kinds; experts:
+    :func:`_export_experts`)."""
     if e.kind == "qkv":
         layer = e.module
         assert isinstance(layer, GQAQKVColumnParallelLinear)
@@ -394,7 +408,8 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
                          dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Gather ``model``'s shards into a full HF-named state dict of CPU tensors (fresh copies).
 
-    Collective over the TP group: every rank must call it. KV replicas are dropped, the vocab is
+    Collective over the TP group (and the EP group for mixture-of-experts layers, whose experts are gathered from
+    every EP rank): every rank must call it. KV replicas are dropped, the vocab is
     cut back to ``config.vocab_size``, and ``lm_head.weight`` is omitted when embeddings are tied.
 
     Args:
@@ -410,9 +425,9 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
     for e in entries:
         if model.config.tie_word_embeddings and "lm_head.weight" in e.params and model.embed_tokens is None:
             continue  # the last stage's copy of a tied embedding: the first stage exports it
-        tensors = _export_entry(e, model)
+        named = _export_experts(e) if e.kind.startswith("experts") else dict(zip(e.hf_names, _export_entry(e, model)))
         if keep:
-            for name, t in zip(e.hf_names, tensors):
+            for name, t in named.items():
                 out[name] = t.to(device=HOST, dtype=dtype or t.dtype, copy=True).contiguous()
     return gather_pipeline_stages(out, rank0_only)
 
