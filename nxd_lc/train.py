@@ -141,8 +141,10 @@ def _load_hf_weights(cfg: NxdConfig, model: Any, hf_dir: str, convert: Any) -> N
         experiment_paths(cfg).log_dir, "hf_converted")
     key = hf_cache.cache_key(cfg, hf_dir, ps.get_tensor_model_parallel_world_size(),
                              ps.get_pipeline_model_parallel_world_size())
+    ep = ps.get_expert_model_parallel_rank() if ps.get_expert_model_parallel_world_size() > 1 else None
     hf_cache.load_or_convert(model, hf_dir, cache_dir, key, ps.get_tensor_model_parallel_rank(),
-                             ps.get_pipeline_model_parallel_rank(), force=m.force_reconvert_from_hf, convert=convert)
+                             ps.get_pipeline_model_parallel_rank(), force=m.force_reconvert_from_hf, convert=convert,
+                             ep_rank=ep)
 
 
 def _pipeline_part(cfg: NxdConfig, hf_config: Any) -> dict[str, Any]:

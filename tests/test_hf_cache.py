@@ -122,3 +122,39 @@ def _tp2_worker(rank: int, world: int, tmp: str) -> None:
 def test_tp2_cached_shards_equal_uncached(tmp_path: Path) -> None:
     _hf_dir(tmp_path)
     run_distributed(_tp2_worker, 2, str(tmp_path))
+
+
+def _ep2_worker(rank: int, world: int, tmp: str) -> None:
+    from transformers import MixtralConfig
+    from transformers import MixtralForCausalLM as HFMixtral
+
+    from nxd_lc.distributed import parallel_state as ps
+
+    t = Path(tmp)
+    if rank == 0:
+        torch.manual_seed(5)
+        HFMixtral(MixtralConfig(**{**MODEL, "model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                                   "num_local_experts": 4, "num_experts_per_tok": 2})).save_pretrained(str(t / "hf"))
+    torch.distributed.barrier()
+    ps.initialize_model_parallel(expert_model_parallel_size=2)
+
+    def cfg(cache: bool) -> Any:
+        c = _cfg(t, hf_conversion_cache=cache)
+        c.trainer.devices = 2
+        c.distributed_strategy.expert_model_parallel_size = 2
+        return c
+
+    _, plain = build_model(cfg(False))
+    reference = _params(plain)
+    for _ in range(2):  # write, then read the cache
+        _, model = build_model(cfg(True))
+        got = _params(model)
+        assert all(torch.equal(got[k], reference[k]) for k in reference)
+    torch.distributed.barrier()
+    assert [p.name for p in _entries(t)] == ["ep00_tp00_pp00.safetensors", "ep01_tp00_pp00.safetensors"]
+    ps.destroy_model_parallel()
+
+
+def test_ep2_cache_keeps_each_ranks_experts(tmp_path: Path) -> None:
+    """EP ranks of one (TP, PP) position hold different experts: each caches and reads its own entry."""
+    run_distributed(_ep2_worker, 2, str(tmp_path))

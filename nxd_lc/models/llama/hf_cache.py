@@ -58,7 +58,8 @@ def hf_identity(hf_dir: str) -> list[tuple[str, int, int]]:
 
 
 def cache_key(cfg: Any, hf_dir: str, tp: int, pp: int) -> str:
-    """The cache key of ``cfg``'s conversion of ``hf_dir`` at TP ``tp`` x PP ``pp`` (see the module docstring)."""
+    """The cache key of ``cfg``'s conversion of ``hf_dir`` at TP ``tp`` x PP ``pp`` (and the config's EP size; see
+    the module docstring)."""
     m, ds = cfg.model, cfg.distributed_strategy
     model_config = ""
     if m.model_config:
@@ -68,7 +69,8 @@ def cache_key(cfg: Any, hf_dir: str, tp: int, pp: int) -> str:
     parts = {"format": FORMAT_VERSION, "hf": hf_identity(hf_dir), "model_config": model_config,
              "model": {k: getattr(m, k, None) for k in _MODEL_KEYS},
              "layout": {"tp": tp, "pp": pp, "vpp": ds.virtual_pipeline_model_parallel_size,
-                        "kv_replicator": ds.kv_replicator}}
+                        "kv_replicator": ds.kv_replicator,
+                        "ep": getattr(ds, "expert_model_parallel_size", 1)}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 
@@ -82,12 +84,13 @@ def _valid(path: str) -> bool:
 
 
 def load_or_convert(model: torch.nn.Module, hf_dir: str, cache_dir: str, key: str, tp_rank: int, pp_rank: int,
-                    *, force: bool, convert: Any) -> bool:
+                    *, force: bool, convert: Any, ep_rank: int | None = None) -> bool:
     """Load this rank's converted weights from the cache, or ``convert(model, hf_dir)`` and cache the result.
 
     Args:
         model: the freshly built (sharded) model.
-        cache_dir: the cache root; entries are ``<cache_dir>/<key>/tp<TT>_pp<PP>.safetensors``.
+        cache_dir: the cache root; entries are ``<cache_dir>/<key>/tp<TT>_pp<PP>.safetensors``
+            (``ep<EE>_tp<TT>_pp<PP>.safetensors`` with an ``ep_rank``: each EP rank holds other experts).
         force: ``model.force_reconvert_from_hf``: convert and overwrite the entry even if it is valid.
         convert: the uncached loader (:func:`nxd_lc.models.llama.hf_adapter.load_hf_weights`).
 
@@ -96,7 +99,8 @@ def load_or_convert(model: torch.nn.Module, hf_dir: str, cache_dir: str, key: st
     """
     from safetensors.torch import load_model, save_model
 
-    path = os.path.join(cache_dir, key, f"tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors")
+    ep = f"ep{ep_rank:02d}_" if ep_rank is not None else ""
+    path = os.path.join(cache_dir, key, f"{ep}tp{tp_rank:02d}_pp{pp_rank:02d}.safetensors")
     if not force and os.path.isfile(path):
         if _valid(path):
             start = time.perf_counter()
