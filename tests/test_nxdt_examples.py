@@ -12,7 +12,7 @@ CP > 1; ``kv_replicator`` 1), micro batch 1, global batch 4 (pairs for DPO / ORP
 interpreter's stdlib sources with a byte-level BPE for pretraining; small jsonl files in NxDT's SFT / preference
 formats with the SmolLM2 tokenizer for alignment), the run and compile-cache directories, and 2 steps with a
 checkpoint at step 2. No key is removed. The Mixtral files get a tiny Mixtral ``config.json`` (8 experts, as their
-``model.moe.num_experts``) and keep their ``model.moe`` keys (PP 2 for their PP 4, TP 1 for their TP 32).
+``model.moe.num_experts``) and keep their ``model.moe`` keys (TP 2 x PP 2 for their TP 32 x PP 4).
 """
 
 from __future__ import annotations
