@@ -146,7 +146,7 @@ def analyse(runs: list[dict[str, Any]], tokens_per_step: int) -> list[dict[str, 
     """Rows per configuration: tokens/s over the pooled timed steps, median-round memory, ratios to the first
     configuration (``ep1_dropless``)."""
     rows = []
-    for label, ep, cf in CONFIGS:
+    for label, ep, cf in CONFIGS:  # the first configuration run is the reference
         mine = [r for r in runs if r["label"] == label]
         if not mine:
             continue
@@ -186,13 +186,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--configs", nargs="+", choices=[c[0] for c in CONFIGS], default=[c[0] for c in CONFIGS],
+                   help="configurations to run (the first is the reference of the ratios)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "moe.json"))
     opts = p.parse_args(argv)
     if opts.smoke:
         opts.seq_len, opts.layers, opts.rounds, opts.warmup, opts.steps = 128, 2, 1, 1, 2
     runs = []
+    chosen = tuple(c for c in CONFIGS if c[0] in opts.configs)
     for rnd in range(opts.rounds):
-        order = CONFIGS if rnd % 2 == 0 else tuple(reversed(CONFIGS))
+        order = chosen if rnd % 2 == 0 else tuple(reversed(chosen))
         for label, ep, cf in order:
             runs.append({**measure(label, ep, cf, opts), "round": rnd})
             print(f"round {rnd} {label}: median step {statistics.median(runs[-1]['step_s']):.3f} s", flush=True)

@@ -122,25 +122,31 @@ def test_frequency_and_unsupported_settings() -> None:
         MixtralForCausalLM(_config(), moe=MoEOptions(frequency=0))
 
 
-def _dist_worker(rank: int, world: int, path: str, tp: int, ep: int, sp: bool) -> None:
+def _dist_worker(rank: int, world: int, path: str, tp: int, ep: int, sp: bool,
+                 capacity_factor: float | None = None) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
     dp_ranks = parallel_state.get_group_ranks("dp")
     refs = [_hf_reference(Path(path), _ids(d)) for d in range(len(dp_ranks))]  # one micro-batch per DP rank
     mine = refs[parallel_state.get_data_parallel_rank()]
     ep_peers = [dp_ranks.index(r) for r in parallel_state.get_group_ranks("ep")]
     expert_grads = {n: sum(refs[d]["grads"][n] for d in ep_peers) for n in mine["grads"] if ".experts." in n}
-    model = MixtralForCausalLM(_config(), sequence_parallel=sp)
+    options = MoEOptions(capacity_factor=capacity_factor, dropless=capacity_factor is None)
+    model = MixtralForCausalLM(_config(), moe=options, sequence_parallel=sp)
     load_hf_weights(model, path)
     _check(model, _ids(parallel_state.get_data_parallel_rank()), mine, expert_grads, sp,
-           msg=f"tp={tp} ep={ep} sp={sp} rank={rank}")
+           msg=f"tp={tp} ep={ep} sp={sp} cf={capacity_factor} rank={rank}")
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(("tp", "ep", "sp"), [(2, 1, True), (1, 2, False)], ids=["tp2_sp", "ep2"])
-def test_parallel_matches_transformers(tmp_path: Path, tp: int, ep: int, sp: bool) -> None:
-    """EP 2 is carved from DP 2: each rank has its own micro-batch; an expert's gradient sums both ranks'."""
+@pytest.mark.parametrize(("tp", "ep", "sp", "cf"), [
+    (2, 1, True, None), (1, 2, False, None),
+    pytest.param(2, 2, True, 4.0, marks=pytest.mark.slow)], ids=["tp2_sp", "ep2", "tp2_sp_ep2_capacity"])
+def test_parallel_matches_transformers(tmp_path: Path, tp: int, ep: int, sp: bool, cf: float | None) -> None:
+    """EP 2 is carved from DP 2: each rank has its own micro-batch; an expert's gradient sums both ranks'. TP 2 x
+    SP x EP 2 on 4 processes with capacity-factor dispatch at a factor large enough to drop nothing (4.0 with 4
+    experts, top 2: C = min(T, 2T) = T, and no expert gets a token twice) equals transformers too."""
     _save_hf(tmp_path)
-    run_distributed(_dist_worker, 2, str(tmp_path), tp, ep, sp)
+    run_distributed(_dist_worker, tp * ep, str(tmp_path), tp, ep, sp, cf)
 
 
 def _pp_reference(path: Path, ids: torch.Tensor, layers: int) -> dict[str, Any]:

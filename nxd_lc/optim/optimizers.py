@@ -35,6 +35,7 @@ from nxd_lc.config.schema import OptimConfig
 from nxd_lc.config.validate import OPTIMIZERS
 from nxd_lc.optim.novograd import Novograd
 from nxd_lc.precision.policy import PrecisionPolicy
+from nxd_lc.runtime.accel import HOST
 
 log = logging.getLogger(__name__)
 
@@ -285,7 +286,7 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
     _check_unused_keys(name, optim_cfg)
     groups = param_groups(named_params, optim_cfg.weight_decay, do_layer_norm_weight_decay)
     builder = OPTIMIZER_BUILDERS[name]
-    on_cpu = any(p.device.type == "cpu" for g in groups for p in g["params"])
+    on_cpu = any(p.device.type == HOST.type for g in groups for p in g["params"])
     if optim_cfg.capturable and on_cpu:  # graph capture (CUDA graphs / XLA) does not exist on CPU; torch refuses it
         log.info("model.optim.capturable: true has no meaning for CPU parameters (no graph capture) and is not "
                  "passed to %s here; it applies on cuda / xla / neuron", name)
