@@ -186,20 +186,13 @@ def checkpoint_parallel_sizes(tag_dir: str) -> tuple[int, int]:
     return saved.tp, saved.pp
 
 
-def checkpoint_expert_parallel_size(tag_dir: str) -> int:
-    """Expert-parallel size a checkpoint was saved with (1: model files without ``ep_rank``)."""
-    from nxd_lc.checkpoint.reshard import saved_layout
-
-    return saved_layout(tag_dir).ep
-
-
 def checkpoint_tp_size(tag_dir: str) -> int:
     """Tensor-parallel size a checkpoint was saved with (see :func:`checkpoint_parallel_sizes`)."""
     return checkpoint_parallel_sizes(tag_dir)[0]
 
 
-def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
-    """Check that ``cfg`` and the launch match the checkpoint's layout; returns its TP size.
+def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> tuple[int, int]:
+    """Check that ``cfg`` and the launch match the checkpoint's layout; returns its ``(TP, EP)`` sizes.
 
     Pipeline stages are gathered: the converter runs one process per (EP, TP) rank, each loading that rank's shard
     of every pipeline stage.
@@ -208,9 +201,12 @@ def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
         ValueError: the config's ``tensor_model_parallel_size`` / ``pipeline_model_parallel_size`` /
             ``expert_model_parallel_size`` or the number of launched processes differs from the checkpoint's (each
             names the fix).
-        FileNotFoundError: see :func:`checkpoint_parallel_sizes`.
+        FileNotFoundError: see :func:`nxd_lc.checkpoint.reshard.saved_layout`.
     """
-    tp, pp = checkpoint_parallel_sizes(tag_dir)
+    from nxd_lc.checkpoint.reshard import saved_layout
+
+    saved = saved_layout(tag_dir)
+    tp, pp, ep = saved.tp, saved.pp, saved.ep
     ds = cfg.distributed_strategy
     if ds.pipeline_model_parallel_size != pp:
         raise ValueError(f"PP mismatch: checkpoint {tag_dir} was saved with pipeline_model_parallel_size {pp} but "
@@ -222,7 +218,6 @@ def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
                          f"the config has distributed_strategy.tensor_model_parallel_size="
                          f"{ds.tensor_model_parallel_size}; pass the override "
                          f"distributed_strategy.tensor_model_parallel_size={tp}")
-    ep = checkpoint_expert_parallel_size(tag_dir)
     if ds.expert_model_parallel_size != ep:
         raise ValueError(f"EP mismatch: checkpoint {tag_dir} was saved with expert_model_parallel_size {ep} but the "
                          f"config has distributed_strategy.expert_model_parallel_size="
@@ -231,7 +226,7 @@ def check_layout(cfg: NxdConfig, tag_dir: str, world_size: int) -> int:
     if world_size != tp * ep:
         raise ValueError(f"TP mismatch: checkpoint {tag_dir} has {tp} TP x {ep} EP shard(s) but {world_size} "
                          f"process(es) were launched; run with torchrun --nproc_per_node={tp * ep}")
-    return tp
+    return tp, ep
 
 
 def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Module:
@@ -374,8 +369,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
 
     root, tag = resolve_checkpoint(checkpoint)
     tag_dir = os.path.join(root, tag)
-    tp = check_layout(cfg, tag_dir, collectives.get_global_world_size())
-    ep = checkpoint_expert_parallel_size(tag_dir)
+    tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())
     output = os.path.abspath(output)
     _check_output(output, overwrite)
     own_state = not ps.model_parallel_is_initialized()

@@ -277,7 +277,7 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
         raise ValueError("save_checkpoint: write_model=True but model_state is None")
     if write_optim and optim_state is None:
         raise ValueError("save_checkpoint: write_optim=True but optim_state is None")
-    if write_model and dp_rank != 0 and not optim_sharded:
+    if write_model and dp_rank != 0 and not (optim_sharded and ep_rank is not None):
         raise ValueError(f"save_checkpoint: model shards are written by DP rank 0 only (NxD layout), got "
                          f"write_model=True on dp_rank={dp_rank}; pass write_model=(dp_rank == 0)")
     staging = _staging_dir(ckpt_root, tag)
@@ -326,7 +326,8 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
         ep_rank: this rank's EP rank under expert parallelism (None without): model files (and unsharded
             optimizer files) are ``dp_rank_00_ep_rank_<ep>_...``, one per EP rank.
         optim_sharded: the optimizer is ZeRO-1-sharded: ``dp_rank`` is the DP x CP rank, every rank writes its
-            own optimizer file (without ``ep_rank``), and the model writer's ``dp_rank`` need not be 0.
+            own optimizer file (without ``ep_rank``), and with an ``ep_rank`` the model writer's ``dp_rank`` (its
+            DP x CP rank) need not be 0.
 
     Returns:
         The published checkpoint directory ``<ckpt_root>/<tag>``.

@@ -593,11 +593,6 @@ def _policy_flag(cfg: NxdConfig, flag: str) -> bool:
         return False
 
 
-def _keeps_master_weights(cfg: NxdConfig) -> bool:
-    """Whether the precision mode keeps fp32 master weights (:func:`_policy_flag`)."""
-    return _policy_flag(cfg, "master_weights")
-
-
 #: The ``precision`` keys that set XLA / Neuron environment variables themselves only with ``type: manual``.
 PRECISION_ENV_KEYS = ("xla_use_bf16", "xla_downcast_bf16", "neuron_rt_stochastic_rounding_en")
 
@@ -652,7 +647,7 @@ def _precision_problems(cfg: NxdConfig) -> list[str]:
                 p.append(f"precision.{key}: true contradicts precision.type {prec.type}, which has none (only read "
                          f"with precision.type manual; the type fixes it, see the README precision table); set it "
                          "false or use precision.type manual")
-    if ckpt.use_master_weights_in_ckpt and not _keeps_master_weights(cfg):
+    if ckpt.use_master_weights_in_ckpt and not _policy_flag(cfg, "master_weights"):
         p.append(f"exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt: precision.type {prec.type} "
                  "keeps no fp32 master weights; use mixed_precision / mixed_precisionSR (or manual with "
                  "master_weights and bf16) or set it false")

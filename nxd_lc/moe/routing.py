@@ -61,6 +61,17 @@ class RouterStats(NamedTuple):
         return RouterStats(self.assignments + other.assignments, self.affinity_sum + other.affinity_sum,
                            self.tokens + other.tokens)
 
+    def flat(self) -> torch.Tensor:
+        """``[assignments (E), affinity_sum (E), tokens]`` as one [2E + 1] fp32 tensor (for one collective or one
+        pipeline send; the affinity part keeps its gradient)."""
+        return torch.cat([self.assignments, self.affinity_sum, self.tokens.reshape(1)]).float()
+
+    @classmethod
+    def from_flat(cls, flat: torch.Tensor, num_experts: int) -> RouterStats:
+        """The inverse of :meth:`flat` (assignments and tokens detached, as they carry no gradient)."""
+        e = num_experts
+        return cls(flat[:e].detach(), flat[e:2 * e], flat[2 * e].detach())
+
     @classmethod
     def of(cls, routing: TopKRouting, num_experts: int) -> RouterStats:
         """Statistics of one routing result (all T tokens count)."""

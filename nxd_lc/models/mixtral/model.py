@@ -136,11 +136,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def begin_pipeline_stage(self, carried: torch.Tensor | None) -> None:
         """Start a stage's ``router_stats`` from the previous stages' ``[assignments, affinity sums, tokens]``."""
-        if carried is None:
-            self.router_stats = None
-            return
-        e = self.num_experts
-        self.router_stats = RouterStats(carried[:e].detach(), carried[e:2 * e], carried[2 * e])
+        self.router_stats = None if carried is None else RouterStats.from_flat(carried, self.num_experts)
 
     def end_pipeline_stage(self) -> torch.Tensor:
         """This stage's accumulated ``router_stats`` packed as [2E + 1] fp32 for the next stage.
@@ -148,10 +144,9 @@ class MixtralForCausalLM(LlamaForCausalLM):
         Raises:
             RuntimeError: no MoE layer ran in this or an earlier stage (layer 0 always is one).
         """
-        s = self.router_stats
-        if s is None:
+        if self.router_stats is None:
             raise RuntimeError("pipeline stage: no mixture-of-experts layer ran before the end of the stage")
-        return torch.cat([s.assignments, s.affinity_sum, s.tokens.reshape(1)]).float()
+        return self.router_stats.flat()
 
     def add_auxiliary_loss(self, loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:
         """``loss_sum + router_aux_loss_coef * aux * num_tokens`` when ``output_router_logits`` and MoE layers ran
@@ -170,9 +165,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
             raise RuntimeError("aux_loss: no mixture-of-experts layer ran; call hidden_states / forward / loss first")
         s = self.router_stats
         if parallel_state.get_context_parallel_world_size() > 1:  # the whole sequence's statistics
-            pooled = sum_over_context_parallel_region(torch.cat([s.assignments, s.affinity_sum, s.tokens.reshape(1)]))
-            e = self.num_experts
-            s = RouterStats(pooled[:e].detach(), pooled[e:2 * e], pooled[2 * e].detach())
+            s = RouterStats.from_flat(sum_over_context_parallel_region(s.flat()), self.num_experts)
         return load_balancing_loss(s, self.num_experts)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
