@@ -100,6 +100,7 @@ class PipelineStageModule(nn.Module):
         self.layer_ids = list(layer_ids)
         self.layers = nn.ModuleList(local[i] for i in self.layer_ids)
         self.embed_tokens = model.embed_tokens if self.is_first else None
+        self.embed_positions = model.embed_positions if self.is_first else None  # learned positions (or None)
         self.rotary_emb = model.rotary_emb
         self._model = [model]  # a list: the rank model is not a child (its parameters are not this stage's)
         #: replaces the causal-LM loss of the last stage when set (see :class:`StageObjective`)
@@ -127,12 +128,12 @@ class PipelineStageModule(nn.Module):
         if self.is_first:
             position_ids = model._check_inputs(x, position_ids)
             model._check_segment_ids(segment_ids, x)
-            h = self.embed_tokens(x)
+            h = model.embed(x, position_ids)
         else:
             h = x
         if position_ids is None:
             raise ValueError(f"pipeline stage {self.stage_index}: position_ids are required after the first stage")
-        cos, sin = self.rotary_emb(position_ids)
+        cos, sin = model.position_encoding(position_ids)
         stats = model.pipeline_statistics_size > 0
         if stats:
             model.begin_pipeline_stage(None if self.is_first else carried[0])

@@ -31,6 +31,13 @@ Dispatch (all in :func:`core_attention`, in this order):
 
 Both local paths give the same result as running each document alone (no cross-document leakage; every
 query sees at least itself, so no row of the softmax is empty).
+
+Sliding-window attention (``window``, Mistral; Beltagy et al. 2020, arXiv:2004.05150): query t attends keys
+``t - window < j <= t`` (transformers' ``sliding_window_overlay``). When the window is shorter than the sequence,
+the flash path runs one SDPA call with a boolean ``[B|1, 1, S, S]`` band mask (and'ed with the document mask for
+packed batches; O(S^2) memory, the price of a mask on CPU SDPA); a window >= S is plain causal attention.
+Attention dropout (``dropout_p``) is SDPA's ``dropout_p`` on the flash paths and a dropout of the probabilities on
+the eager path. Neither is supported yet under context parallelism or on the traced (compiled) document path.
 """
 
 from __future__ import annotations
@@ -48,7 +55,7 @@ from nxd_lc.runtime.accel import HOST
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CoreAttention", "core_attention", "document_lengths", "repeat_kv"]
+__all__ = ["CoreAttention", "band_mask", "core_attention", "document_lengths", "repeat_kv"]
 
 
 def repeat_kv(x: torch.Tensor, num_rep: int) -> torch.Tensor:
@@ -100,39 +107,61 @@ def document_lengths(segment_ids: torch.Tensor) -> list[list[int]]:
     return [torch.unique_consecutive(row, return_counts=True)[1].tolist() for row in seg]
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
+          dropout_p: float = 0.0) -> torch.Tensor:
     """Fused SDPA without a mask tensor (flash / memory-efficient kernel); k, v already expanded to Hq heads."""
-    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, dropout_p=dropout_p)
 
 
 def _sdpa_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scale: float,
-                causal: bool) -> torch.Tensor:
+                causal: bool, dropout_p: float = 0.0) -> torch.Tensor:
     """SDPA on each S-segment of ``lengths`` separately (views, no copies), concatenated back along S."""
     if len(lengths) == 1:
-        return _sdpa(q, k, v, scale, causal)
+        return _sdpa(q, k, v, scale, causal, dropout_p)
     parts = zip(q.split(lengths, dim=2), k.split(lengths, dim=2), v.split(lengths, dim=2))
-    return torch.cat([_sdpa(qi, ki, vi, scale, causal) for qi, ki, vi in parts], dim=2)
+    return torch.cat([_sdpa(qi, ki, vi, scale, causal, dropout_p) for qi, ki, vi in parts], dim=2)
 
 
 def _flash_documents(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor,
-                     scale: float, causal: bool) -> torch.Tensor:
+                     scale: float, causal: bool, dropout_p: float = 0.0) -> torch.Tensor:
     """Document-masked attention as one SDPA call per document (per batch row unless all rows agree)."""
     rows = document_lengths(segment_ids)
     if all(r == rows[0] for r in rows):
-        return _sdpa_split(q, k, v, rows[0], scale, causal)
-    outs = [_sdpa_split(q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths, scale, causal)
+        return _sdpa_split(q, k, v, rows[0], scale, causal, dropout_p)
+    outs = [_sdpa_split(q[b:b + 1], k[b:b + 1], v[b:b + 1], lengths, scale, causal, dropout_p)
             for b, lengths in enumerate(rows)]
     return torch.cat(outs, dim=0)
+
+
+def band_mask(s: int, window: int, device: torch.device) -> torch.Tensor:
+    """Boolean ``[S, S]`` sliding-window causal mask: True where key j may be attended by query t
+    (``t - window < j <= t``)."""
+    idx = torch.arange(s, device=device)
+    diff = idx[:, None] - idx[None, :]  # t - j
+    return (diff >= 0) & (diff < window)
+
+
+def _allowed_mask(s: int, device: torch.device, segment_ids: torch.Tensor | None, causal: bool,
+                  window: int | None) -> torch.Tensor | None:
+    """The boolean "may attend" mask ``[B|1, 1, S, S]`` of the eager and masked-SDPA paths (None: no mask);
+    device tensor ops only (no host sync)."""
+    allowed: torch.Tensor | None = None
+    if window is not None:
+        allowed = band_mask(s, window, device)[None, None]
+    elif causal:
+        allowed = torch.ones(s, s, dtype=torch.bool, device=device).tril()[None, None]
+    if segment_ids is not None:
+        same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, S, S]
+        allowed = same_doc if allowed is None else allowed & same_doc
+    return allowed
 
 
 def document_mask(segment_ids: torch.Tensor, causal: bool) -> torch.Tensor:
     """Boolean ``[B, 1, S, S]`` "may attend" mask from ``segment_ids [B, S]``: same document (and key <= query
     when ``causal``). Built with device tensor ops only (no host sync, shape independent of the documents)."""
-    allowed = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, S, S]
-    if causal:
-        s = segment_ids.shape[1]
-        allowed = allowed & torch.ones(s, s, dtype=torch.bool, device=segment_ids.device).tril()[None, None]
-    return allowed
+    mask = _allowed_mask(segment_ids.shape[1], segment_ids.device, segment_ids, causal, None)
+    assert mask is not None
+    return mask
 
 
 def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor, scale: float,
@@ -142,19 +171,16 @@ def _sdpa_masked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids:
 
 
 def _eager_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool,
-                     segment_ids: torch.Tensor | None) -> torch.Tensor:
+                     segment_ids: torch.Tensor | None, window: int | None = None,
+                     dropout_p: float = 0.0) -> torch.Tensor:
     """Reference path: materialises the [B, Hq, S, S] scores and a [B|1, 1, S, S] boolean mask; fp32 softmax."""
     scores = torch.matmul(q, k.transpose(-2, -1)) * scale
-    s = q.shape[2]
-    allowed: torch.Tensor | None = None
-    if causal:
-        allowed = torch.ones(s, s, dtype=torch.bool, device=q.device).tril()[None, None]
-    if segment_ids is not None:
-        same_doc = (segment_ids[:, :, None] == segment_ids[:, None, :])[:, None]  # [B, 1, S, S]
-        allowed = same_doc if allowed is None else allowed & same_doc
+    allowed = _allowed_mask(q.shape[2], q.device, segment_ids, causal, window)
     if allowed is not None:
         scores = scores.masked_fill(~allowed, float("-inf"))
     probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    if dropout_p:
+        probs = F.dropout(probs, dropout_p)
     return torch.matmul(probs, v)
 
 
@@ -167,6 +193,8 @@ def core_attention(
     causal: bool = True,
     scale: float | None = None,
     segment_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    dropout_p: float = 0.0,
 ) -> torch.Tensor:
     """Attention over q [B,Hq,S,D], k/v [B,Hkv,S,D] -> [B,Hq,S,D]; the one dispatch point (module doc).
 
@@ -176,27 +204,37 @@ def core_attention(
         scale: score scale, default ``1 / sqrt(D)``.
         segment_ids: [B, S] integer document index of each token (non-decreasing along S); tokens attend only
             to tokens of the same document. None (or one document per row) -> plain attention over the row.
+        window: sliding-window size in keys (causal only; query t attends keys ``t - window < j <= t``); None:
+            unlimited.
+        dropout_p: dropout probability of the attention weights (pass 0 in eval).
 
     Raises:
         ValueError: inconsistent shapes, Hq not a multiple of Hkv, non-integer or decreasing segment_ids,
-            or ``causal=False`` under context parallelism.
+            ``causal=False`` under context parallelism or with a window, a window < 1, or a window / dropout
+            under context parallelism (not supported yet).
     """
     _check_shapes(q, k, v, segment_ids)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(f"sliding-window attention needs causal=True and a window >= 1, got {window}")
     if parallel_state.get_context_parallel_world_size() > 1:
         if not causal:
             raise ValueError("context parallel attention is causal only; got causal=False with "
+                             "distributed_strategy.context_parallel_size > 1")
+        if window is not None or dropout_p:
+            raise ValueError("not supported yet: sliding-window attention or attention dropout with "
                              "distributed_strategy.context_parallel_size > 1")
         from nxd_lc.context.attention import context_parallel_attention
 
         return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale,
                                           flash_attention=flash_attention)
     return local_attention(q, k, v, scale=scale, causal=causal, flash_attention=flash_attention,
-                           segment_ids=segment_ids)
+                           segment_ids=segment_ids, window=window, dropout_p=dropout_p)
 
 
 def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, causal: bool = True,
-                    flash_attention: bool = True, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+                    flash_attention: bool = True, segment_ids: torch.Tensor | None = None,
+                    window: int | None = None, dropout_p: float = 0.0) -> torch.Tensor:
     """The single-device branches of :func:`core_attention` (no context-parallel dispatch): shapes as there.
 
     Context-parallel Ulysses calls this on its head-sharded, full-sequence q/k/v; everything else should call
@@ -204,29 +242,40 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     """
     num_rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, num_rep), repeat_kv(v, num_rep)
+    if window is not None and window >= q.shape[2]:
+        window = None  # the window covers every earlier position: plain causal attention
     if not flash_attention:
-        return _eager_attention(q, k, v, scale, causal, segment_ids)
+        return _eager_attention(q, k, v, scale, causal, segment_ids, window, dropout_p)
+    if window is not None:
+        mask = _allowed_mask(q.shape[2], q.device, segment_ids, causal, window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
     if q.device.type == "xla":
+        if dropout_p:
+            mask = _allowed_mask(q.shape[2], q.device, segment_ids, causal, None)
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
         return _xla_flash(q, k, v, segment_ids, scale, causal)
     if segment_ids is None:
-        return _sdpa(q, k, v, scale, causal)
+        return _sdpa(q, k, v, scale, causal, dropout_p)
     if is_compiling() and causal:
+        if dropout_p:
+            raise ValueError("not supported yet: attention dropout with model.compile on packed documents")
         # traced: the per-document split reads document lengths on the host and has data-dependent shapes; the
         # tiled, document-masked ring kernel on this rank alone (one custom op with its own backward op,
         # O(S) memory) replaces it in the graph
         from nxd_lc.context.ring import ring_attention
 
         return ring_attention(q, k, v, segment_ids=segment_ids, scale=scale, over_context_parallel=False)
-    return _flash_documents(q, k, v, segment_ids, scale, causal)
+    return _flash_documents(q, k, v, segment_ids, scale, causal, dropout_p)
 
 
-def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None
-                     ) -> torch.Tensor:
+def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                     window: int | None = None) -> torch.Tensor:
     """Attention of the newest ``S`` positions over all ``T >= S`` positions of a KV cache (inference).
 
     q [B, Hq, S, D] are the last S of the T positions of k / v [B, Hkv, T, D] (GQA: Hq a multiple of Hkv): query i
     (absolute position T - S + i) attends keys ``<= T - S + i`` (a bottom-right-aligned causal mask; none for
-    S = 1, the plain causal one for S = T). Runs torch SDPA on any device.
+    S = 1, the plain causal one for S = T), and with ``window`` only the keys ``> T - S + i - window``. Runs torch
+    SDPA on any device.
 
     Raises:
         ValueError: S > T, or Hq not a multiple of Hkv.
@@ -238,6 +287,10 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale
     rep = q.shape[1] // k.shape[1]
     k, v = repeat_kv(k, rep), repeat_kv(v, rep)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if window is not None and window < t:
+        mask = torch.ones(s, t, dtype=torch.bool, device=q.device)
+        mask = mask.tril(t - s) & ~mask.tril(t - s - window)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     if s == t:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
     mask = None if s == 1 else torch.ones(s, t, dtype=torch.bool, device=q.device).tril(t - s)
@@ -287,18 +340,25 @@ class CoreAttention(nn.Module):
     checkpointing can target it by class name. ``forward(q, k, v, segment_ids=None) -> [B, Hq, S, D]``.
     """
 
-    def __init__(self, flash_attention: bool = True, causal: bool = True, scale: float | None = None) -> None:
+    def __init__(self, flash_attention: bool = True, causal: bool = True, scale: float | None = None,
+                 window: int | None = None, dropout: float = 0.0) -> None:
         super().__init__()
         self.flash_attention = flash_attention
         self.causal = causal
         self.scale = scale
+        self.window = window
+        self.dropout = dropout
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """See :func:`core_attention`; ``segment_ids`` [B, S] restricts attention to each packed document."""
+        """See :func:`core_attention`; ``segment_ids`` [B, S] restricts attention to each packed document;
+        ``dropout`` applies while training only."""
         return core_attention(q, k, v, flash_attention=self.flash_attention, causal=self.causal,
-                              scale=self.scale, segment_ids=segment_ids)
+                              scale=self.scale, segment_ids=segment_ids, window=self.window,
+                              dropout_p=self.dropout if self.training else 0.0)
 
     def extra_repr(self) -> str:
         """Printed in ``repr(model)``."""
-        return f"flash_attention={self.flash_attention}, causal={self.causal}"
+        extra = (f", window={self.window}" if self.window is not None else "") + (
+            f", dropout={self.dropout}" if self.dropout else "")
+        return f"flash_attention={self.flash_attention}, causal={self.causal}{extra}"

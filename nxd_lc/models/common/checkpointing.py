@@ -49,7 +49,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from nxd_lc.config.schema import CHECKPOINT_METHODS, checkpoint_method_problems
 from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
-from nxd_lc.models.common.mlp import LlamaMLP
+from nxd_lc.models.common.mlp import GeluMLP, LlamaMLP
 
 if TYPE_CHECKING:
     from nxd_lc.config.schema import ModelConfig
@@ -233,10 +233,14 @@ def apply_tiled_mlp(model: nn.Module, chunk_size: int | None) -> int:
     """Set ``tiled_chunk_size`` on every :class:`LlamaMLP` in ``model``; returns how many were set.
 
     Raises:
-        ValueError: ``chunk_size`` is not None or a positive int (names ``model.tiled_mlp_chunk_size``).
+        ValueError: ``chunk_size`` is not None or a positive int (names ``model.tiled_mlp_chunk_size``); a chunk
+            size for a model with GeLU MLPs (the tiled MLP is SwiGLU's only).
     """
     if chunk_size is not None:
         check_chunk_size(chunk_size, "model.tiled_mlp_chunk_size")
+        if any(isinstance(m, GeluMLP) for m in model.modules()):
+            raise ValueError("model.tiled_mlp_chunk_size: not supported yet with GeLU MLPs (model.activation: gelu); "
+                             "set it to null")
     mlps = [m for m in model.modules() if isinstance(m, LlamaMLP)]
     for mlp in mlps:
         mlp.tiled_chunk_size = chunk_size

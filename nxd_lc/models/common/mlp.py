@@ -1,4 +1,5 @@
-"""Llama feed-forward block (SwiGLU, Shazeer 2020, arXiv:2002.05202), tensor parallel.
+"""Feed-forward blocks, tensor parallel: Llama's SwiGLU (Shazeer 2020, arXiv:2002.05202) and GPT-2 / Megatron's
+GeLU MLP (Hendrycks & Gimpel 2016, arXiv:1606.08415).
 
 Shapes: x [B, S, H] (or [B, S/tp, H] under sequence parallelism) -> same. I = intermediate size.
 
@@ -15,6 +16,13 @@ otherwise), the purely local ``down(silu(gate) * up)`` runs ``c`` tokens at a ti
 :func:`~nxd_lc.layers.tiled.tiled_apply` (recomputed per chunk in backward, so the ``[B*S, 2I/tp]`` activations
 are never all alive), and the partial sums leave the TP region once (reduce-scatter under SP, all-reduce
 otherwise), exactly the collectives of the untiled layers. Gradients equal the untiled path.
+
+``ffn_dropout`` (NeMo / Megatron ``ffn_dropout``): dropout on the activation between the two projections, with a
+TP-layout-independent mask (:func:`~nxd_lc.layers.dropout.sharded_dropout`); not with the tiled MLP.
+
+:class:`GeluMLP`: ``y = down_proj(gelu(up_proj(x)))`` with the exact (erf) GeLU, Megatron's ``F.gelu`` (GPT-2's
+checkpoints use the tanh approximation ``gelu_new``); ``up_proj`` column-parallel ``[I/tp, H]``, ``down_proj``
+row-parallel ``[H, I/tp]``.
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from nxd_lc.distributed import parallel_state
 from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -32,10 +41,11 @@ from nxd_lc.distributed.mappings import (
     reduce_scatter_to_sequence_parallel_region,
 )
 from nxd_lc.layers import ColumnParallelLinear, RowParallelLinear
+from nxd_lc.layers.dropout import sharded_dropout
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.layers.tiled import check_chunk_size, tiled_apply
 
-__all__ = ["ActivationMultiplyMLP", "LlamaMLP"]
+__all__ = ["ActivationMultiplyMLP", "GeluMLP", "LlamaMLP"]
 
 
 class ActivationMultiplyMLP(nn.Module):
@@ -59,6 +69,8 @@ class LlamaMLP(nn.Module):
         use_cpu_initialization, dtype, device: passed to the parallel layers.
         tiled_chunk_size: tokens per chunk of the tiled MLP (see the module docstring), None = untiled. An
             attribute, so it can be set after construction (``apply_memory_techniques`` does).
+        ffn_dropout: dropout probability on ``silu(gate) * up`` while training (module docstring).
+        output_init_method: init of ``down_proj``'s weight (default ``init_method``).
 
     Raises:
         ValueError: (from the layers) if I is not divisible by the TP size; a non-positive tiled_chunk_size.
@@ -79,9 +91,12 @@ class LlamaMLP(nn.Module):
         dtype: torch.dtype = torch.float32,
         device: torch.device | str | None = None,
         tiled_chunk_size: int | None = None,
+        ffn_dropout: float = 0.0,
+        output_init_method: InitMethod | None = None,
     ) -> None:
         super().__init__()
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.ffn_dropout = ffn_dropout
         if tiled_chunk_size is not None:
             check_chunk_size(tiled_chunk_size, "model.tiled_mlp_chunk_size")
         self.tiled_chunk_size = tiled_chunk_size
@@ -93,16 +108,19 @@ class LlamaMLP(nn.Module):
         )
         self.down_proj = RowParallelLinear(
             intermediate_size, hidden_size, bias=bias, input_is_parallel=True,
-            sequence_parallel_enabled=sequence_parallel_enabled, **common,
+            sequence_parallel_enabled=sequence_parallel_enabled,
+            **{**common, "init_method": output_init_method or init_method},
         )
         self.act_mul = ActivationMultiplyMLP()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [B, S(/tp), H] -> [B, S(/tp), H]; tiled over tokens when ``tiled_chunk_size`` is set."""
         if self.tiled_chunk_size is not None:
+            if self.ffn_dropout and self.training:
+                raise ValueError("model.ffn_dropout > 0 is not supported with model.tiled_mlp_chunk_size")
             return self._tiled_forward(x)
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # each [B, S, I/tp]
-        return self.down_proj(self.act_mul(gate, up))
+        return self.down_proj(_ffn_dropout(self.act_mul(gate, up), self.ffn_dropout, self.training))
 
     def _local_mlp(self, x: torch.Tensor) -> torch.Tensor:
         """Rank-local part, no communication: x [N, H] (in the TP region) -> partial sums [N, H]."""
@@ -123,3 +141,44 @@ class LlamaMLP(nn.Module):
         else:
             y = reduce_from_tensor_model_parallel_region(y)
         return y + row.bias if row.bias is not None else y
+
+
+def _ffn_dropout(a: torch.Tensor, p: float, training: bool) -> torch.Tensor:
+    """Dropout on the MLP activation a [..., I/tp] (this rank's contiguous block of the intermediate dim)."""
+    if not p or not training:
+        return a
+    return sharded_dropout(a, p, training, shard_dim=a.dim() - 1,
+                           num_shards=parallel_state.get_tensor_model_parallel_world_size(),
+                           shard_index=parallel_state.get_tensor_model_parallel_rank())
+
+
+class GeluMLP(nn.Module):
+    """GPT-2 / Megatron MLP: ``down_proj(dropout(gelu(up_proj(x))))`` (module docstring).
+
+    Args:
+        hidden_size, intermediate_size, bias, sequence_parallel_enabled, init_method, use_cpu_initialization,
+            dtype, device, ffn_dropout, output_init_method: as :class:`LlamaMLP`.
+
+    Raises:
+        ValueError: (from the layers) if I is not divisible by the TP size.
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = True,
+                 sequence_parallel_enabled: bool = False, init_method: InitMethod | None = None,
+                 use_cpu_initialization: bool = True, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None, ffn_dropout: float = 0.0,
+                 output_init_method: InitMethod | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.intermediate_size, self.ffn_dropout = hidden_size, intermediate_size, ffn_dropout
+        common = {"dtype": dtype, "device": device, "use_cpu_initialization": use_cpu_initialization}
+        self.up_proj = ColumnParallelLinear(hidden_size, intermediate_size, bias=bias, gather_output=False,
+                                            sequence_parallel_enabled=sequence_parallel_enabled,
+                                            init_method=init_method, **common)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, input_is_parallel=True,
+                                           sequence_parallel_enabled=sequence_parallel_enabled,
+                                           init_method=output_init_method or init_method, **common)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [B, S(/tp), H] -> [B, S(/tp), H]."""
+        a = F.gelu(self.up_proj(x))  # [B, S, I/tp]
+        return self.down_proj(_ffn_dropout(a, self.ffn_dropout, self.training))

@@ -1,10 +1,14 @@
-"""RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467), computed in float32.
+"""RMSNorm (Zhang & Sennrich 2019, arXiv:1910.07467) and LayerNorm (Ba et al. 2016, arXiv:1607.06450), computed
+in float32.
 
 Shapes: x [..., H] (e.g. [B, S, H], or [B, S/tp, H] under sequence parallelism) -> same shape and dtype.
 
 ``y = weight * x / sqrt(mean(x^2, -1) + eps)``; the normalisation and the weight multiply are done in
 float32 and the result is cast back to x's dtype (HF ``LlamaRMSNorm`` normalises in fp32 too; it
 multiplies the weight after casting back, which is identical in fp32).
+
+LayerNorm: ``y = weight * (x - mean) / sqrt(var + eps) + bias`` (biased variance, ``torch.nn.LayerNorm``), in
+float32, cast back to x's dtype.
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "build_norm"]
 
 
 class RMSNorm(nn.Module):
@@ -50,3 +54,49 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class LayerNorm(nn.Module):
+    """Layer norm with weight and bias over the last dim, computed in float32.
+
+    Args:
+        hidden_size: H, size of the normalised (last) dim.
+        eps: added to the variance.
+        sequence_parallel_enabled: mark ``weight`` and ``bias`` ``sequence_parallel_enabled`` (gradients
+            all-reduced over TP, as :class:`RMSNorm`).
+        dtype, device: of the parameters (weight ones, bias zeros).
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, sequence_parallel_enabled: bool = False,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        if hidden_size <= 0 or eps < 0:
+            raise ValueError(f"LayerNorm needs hidden_size > 0 and eps >= 0, got {hidden_size}, {eps}")
+        self.hidden_size, self.eps = hidden_size, eps
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(hidden_size, dtype=dtype, device=device))
+        for p in (self.weight, self.bias):
+            p.sequence_parallel_enabled = sequence_parallel_enabled
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., H] -> [..., H], x's dtype."""
+        y = torch.nn.functional.layer_norm(x.float(), (self.hidden_size,), self.weight.float(), self.bias.float(),
+                                           self.eps)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.eps}"
+
+
+def build_norm(kind: str, hidden_size: int, eps: float, *, sequence_parallel_enabled: bool = False,
+               dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> nn.Module:
+    """``kind`` ``rmsnorm`` -> :class:`RMSNorm`, ``layernorm`` -> :class:`LayerNorm` (other arguments as theirs).
+
+    Raises:
+        ValueError: another ``kind``.
+    """
+    classes = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+    if kind not in classes:
+        raise ValueError(f"normalization {kind!r} is not supported; use rmsnorm or layernorm")
+    return classes[kind](hidden_size, eps, sequence_parallel_enabled=sequence_parallel_enabled, dtype=dtype,
+                         device=device)

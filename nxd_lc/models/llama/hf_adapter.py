@@ -37,7 +37,6 @@ tensors (a collective over TP: every rank must call it). PP > 1 is not supported
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
 import logging
 from dataclasses import dataclass
@@ -52,6 +51,8 @@ from typing_extensions import Self
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.gather import gather_pipeline_stages
 from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
+from nxd_lc.models.common.family import hf_export_config
+from nxd_lc.models.common.mlp import GeluMLP
 from nxd_lc.models.llama.model import LlamaForCausalLM
 from nxd_lc.moe.layer import MoE
 from nxd_lc.runtime.accel import HOST
@@ -177,6 +178,9 @@ def _attention_entries(p: str, hp: str, attn: nn.Module) -> list[_Entry]:
     else:
         for n in "qkv":
             out += _linear_entries(f"{p}.{n}_proj", f"{hp}.{n}_proj", getattr(attn, f"{n}_proj"), "column")
+    for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms
+        if getattr(attn, name) is not None:
+            out += _norm_entries(f"{p}.{name}", f"{hp}.{name}", getattr(attn, name))
     out += _linear_entries(f"{p}.o_proj", f"{hp}.o_proj", attn.o_proj, "row")
     return out
 
@@ -186,14 +190,20 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
     out = []
     if model.embed_tokens is not None:  # None on pipeline stages other than the first
         out.append(_Entry("vocab", ["model.embed_tokens.weight"], {"embed_tokens.weight": model.embed_tokens.weight}))
+    if model.embed_positions is not None:  # learned absolute positions (Megatron-source GPT)
+        out.append(_Entry("replicated", ["model.embed_positions.weight"],
+                          {"embed_positions.weight": model.embed_positions.weight}))
     for i, layer in model.local_layers():
         p, hp = f"layers.{i}", f"model.layers.{i}"
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            weight = getattr(layer, norm).weight
-            out.append(_Entry("replicated", [f"{hp}.{norm}.weight"], {f"{p}.{norm}.weight": weight}))
+            out += _norm_entries(f"{p}.{norm}", f"{hp}.{norm}", getattr(layer, norm))
         out += _attention_entries(f"{p}.self_attn", f"{hp}.self_attn", layer.self_attn)
         if isinstance(layer.mlp, MoE):
             out += _moe_entries(f"{p}.mlp", f"{hp}.block_sparse_moe", layer.mlp)
+            continue
+        if isinstance(layer.mlp, GeluMLP):
+            out += _linear_entries(f"{p}.mlp.up_proj", f"{hp}.mlp.up_proj", layer.mlp.up_proj, "column")
+            out += _linear_entries(f"{p}.mlp.down_proj", f"{hp}.mlp.down_proj", layer.mlp.down_proj, "row")
             continue
         gate_up = layer.mlp.gate_up_proj
         for part in ("weight", "bias"):
@@ -202,13 +212,19 @@ def _entries(model: LlamaForCausalLM) -> list[_Entry]:
                 out.append(_Entry("gate_up", hf, {f"{p}.mlp.gate_up_proj.{part}": getattr(gate_up, part)}))
         out += _linear_entries(f"{p}.mlp.down_proj", f"{hp}.mlp.down_proj", layer.mlp.down_proj, "row")
     if model.norm is not None:  # None on pipeline stages other than the last
-        out.append(_Entry("replicated", ["model.norm.weight"], {"norm.weight": model.norm.weight}))
+        out += _norm_entries("norm", "model.norm", model.norm)
     if model.lm_head is not None and not model.config.tie_word_embeddings:
         out.append(_Entry("vocab", ["lm_head.weight"], {"lm_head.weight": model.lm_head.weight}))
     elif model.lm_head is not None and model.embed_tokens is None:  # tied, embedding on the first stage
         out.append(_Entry("vocab", ["model.embed_tokens.weight"], {"lm_head.weight": model.lm_head.weight}))
     _check_coverage(model, out)
     return out
+
+
+def _norm_entries(p: str, hp: str, norm: nn.Module) -> list[_Entry]:
+    """A norm's weight (and a LayerNorm's bias), replicated."""
+    return [_Entry("replicated", [f"{hp}.{part}"], {f"{p}.{part}": getattr(norm, part)})
+            for part in ("weight", "bias") if getattr(norm, part, None) is not None]
 
 
 def _moe_entries(p: str, hp: str, moe: MoE) -> list[_Entry]:
@@ -453,8 +469,12 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
     Collective: every rank calls it; global rank 0 writes, then all ranks meet at a barrier. Files:
     ``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` + ``model.safetensors.index.json``
     when the weights exceed ``max_shard_bytes``. ``config.json`` is ``model.config`` (unpadded vocab)
-    with its dtype set to the saved tensors' dtype, loadable with ``transformers.LlamaForCausalLM.from_pretrained``.
+    with its dtype set to the saved tensors' dtype, loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.
+
+    Raises:
+        ValueError: a Megatron-source architecture HF has no class for (:func:`hf_export_config`), on every rank.
     """
+    config = hf_export_config(model.config)  # on every rank, before any collective: fails everywhere or nowhere
     state = export_hf_state_dict(model, rank0_only=True, dtype=dtype)
     if collectives.get_global_rank() == 0:
         out = Path(path)
@@ -471,7 +491,6 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
             total = sum(t.numel() * t.element_size() for t in state.values())
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             (out / INDEX_FILE).write_text(json.dumps(index, indent=2))
-        config = copy.deepcopy(model.config)
         saved_dtype = dtype or next(iter(state.values())).dtype
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", saved_dtype)
         config.save_pretrained(str(out))

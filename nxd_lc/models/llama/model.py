@@ -24,6 +24,7 @@ mlp.{gate_up_proj, down_proj}}``, ``norm``, ``lm_head``.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import functools
 import json
@@ -33,7 +34,7 @@ from typing import Any, ClassVar
 
 import torch
 from torch import nn
-from transformers import LlamaConfig, MixtralConfig, PretrainedConfig
+from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from nxd_lc.distributed import parallel_state
 from nxd_lc.distributed.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
@@ -44,12 +45,14 @@ from nxd_lc.layers import (
     RowParallelLinear,
     parallel_cross_entropy,
 )
+from nxd_lc.layers.dropout import sharded_dropout
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.layers.tiled import tiled_causal_lm_loss, vocab_parallel_logits
 from nxd_lc.models.common.attention import CoreAttention, cached_attention
+from nxd_lc.models.common.family import DecoderOptions, decoder_options
 from nxd_lc.models.common.kv_cache import KVCache, LayerKVCache
-from nxd_lc.models.common.mlp import LlamaMLP
-from nxd_lc.models.common.norm import RMSNorm
+from nxd_lc.models.common.mlp import GeluMLP, LlamaMLP
+from nxd_lc.models.common.norm import RMSNorm, build_norm
 from nxd_lc.models.common.rope import (
     RotaryEmbedding,
     apply_rotary_pos_emb,
@@ -79,9 +82,11 @@ _OVERRIDES = {
 }
 
 
-#: config.json ``model_type`` -> the transformers config class it is read into (the decoder families whose
-#: attention, norms and embeddings are Llama's; Mixtral swaps the MLP for mixture-of-experts blocks).
-CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "mixtral": MixtralConfig}
+#: config.json ``model_type`` -> the transformers config class it is read into (the decoder families of
+#: :mod:`nxd_lc.models.common.family`; Mixtral swaps the MLP for mixture-of-experts blocks).
+CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "mistral": MistralConfig,
+                                                     "mixtral": MixtralConfig, "qwen2": Qwen2Config,
+                                                     "qwen3": Qwen3Config}
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
@@ -294,26 +299,34 @@ def _normal_init(std: float, tensor: torch.Tensor) -> object:
 class LlamaAttention(nn.Module):
     """Causal self-attention with GQA and RoPE; heads sharded over TP.
 
-    ``forward(x [B, S(/tp), H], cos, sin [B, S, D]) -> [B, S(/tp), H]``. With ``qkv_linear`` the
+    ``forward(x [B, S(/tp), H], cos, sin [B, S, Dr]) -> [B, S(/tp), H]`` (``Dr`` the rotary dims, ``D`` with
+    ``rotary_percentage`` 1; cos / sin None: no RoPE, learned absolute positions). With ``qkv_linear`` the
     projection is one :class:`GQAQKVColumnParallelLinear` ``qkv_proj`` (supports ``kv_replicator``,
     ``fuse_qkv``); otherwise three ColumnParallelLinear ``q_proj``/``k_proj``/``v_proj``, which need
     ``num_key_value_heads % tp == 0`` (``fuse_qkv`` then has no effect).
+
+    Family parts (:class:`~nxd_lc.models.common.family.DecoderOptions`): q/k/v and o biases, per-head q / k RMSNorm
+    ``q_norm`` / ``k_norm`` [D] before RoPE (Qwen3; replicated weights whose gradients are summed over TP, as each
+    rank normalises only its heads), the layer's sliding window and the attention dropout.
 
     Raises:
         ValueError: head counts that cannot be sharded over TP (message names the key to change).
     """
 
     def __init__(self, config: LlamaConfig, *, sequence_parallel: bool, kv_replicator: int, fuse_qkv: bool,
-                 qkv_linear: bool, flash_attention: bool, init_method: InitMethod, **layer_kw: Any) -> None:
+                 qkv_linear: bool, flash_attention: bool, init_method: InitMethod,
+                 options: DecoderOptions | None = None, layer_index: int = 0,
+                 output_init_method: InitMethod | None = None, **layer_kw: Any) -> None:
         super().__init__()
+        opts = options or decoder_options(config)
         tp = parallel_state.get_tensor_model_parallel_world_size()
         nq, nkv, h = config.num_attention_heads, config.num_key_value_heads, config.hidden_size
         self.head_dim = getattr(config, "head_dim", None) or h // nq
-        bias, hd, sp = bool(config.attention_bias), self.head_dim, sequence_parallel
+        hd, sp = self.head_dim, sequence_parallel
         kw = dict(init_method=init_method, **layer_kw)
         if qkv_linear:
             self.qkv_proj = GQAQKVColumnParallelLinear(
-                h, nq, nkv, hd, bias=bias, kv_replicator=kv_replicator, fuse_qkv=fuse_qkv,
+                h, nq, nkv, hd, bias=opts.qkv_bias, kv_replicator=kv_replicator, fuse_qkv=fuse_qkv,
                 sequence_parallel_enabled=sp, **kw)
         else:
             if nkv % tp or nq % tp or kv_replicator != 1:
@@ -322,17 +335,24 @@ class LlamaAttention(nn.Module):
                     f"divisible by tensor_model_parallel_size ({tp}) and kv_replicator=1 (got {kv_replicator}); "
                     f"set model.qkv_linear: True to use kv_replicator"
                 )
-            self.q_proj = ColumnParallelLinear(h, nq * hd, bias=bias, sequence_parallel_enabled=sp, **kw)
-            self.k_proj = ColumnParallelLinear(h, nkv * hd, bias=bias, sequence_parallel_enabled=sp, **kw)
-            self.v_proj = ColumnParallelLinear(h, nkv * hd, bias=bias, sequence_parallel_enabled=sp, **kw)
+            self.q_proj = ColumnParallelLinear(h, nq * hd, bias=opts.qkv_bias, sequence_parallel_enabled=sp, **kw)
+            self.k_proj = ColumnParallelLinear(h, nkv * hd, bias=opts.qkv_bias, sequence_parallel_enabled=sp, **kw)
+            self.v_proj = ColumnParallelLinear(h, nkv * hd, bias=opts.qkv_bias, sequence_parallel_enabled=sp, **kw)
         self.qkv_linear = qkv_linear
-        self.o_proj = RowParallelLinear(nq * hd, h, bias=bias, input_is_parallel=True,
-                                        sequence_parallel_enabled=sp, **kw)
-        self.core_attention = CoreAttention(flash_attention=flash_attention)
+        self.q_norm = self.k_norm = None
+        if opts.qk_norm:  # TP region: each rank normalises its own heads, so the shared weights' grads sum over TP
+            norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"]}
+            self.q_norm = RMSNorm(hd, opts.norm_eps, sequence_parallel_enabled=tp > 1, **norm_kw)
+            self.k_norm = RMSNorm(hd, opts.norm_eps, sequence_parallel_enabled=tp > 1, **norm_kw)
+        self.o_proj = RowParallelLinear(nq * hd, h, bias=opts.o_bias, input_is_parallel=True,
+                                        sequence_parallel_enabled=sp,
+                                        **{**kw, "init_method": output_init_method or init_method})
+        self.core_attention = CoreAttention(flash_attention=flash_attention, window=opts.window(layer_index),
+                                            dropout=opts.attention_dropout)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
-        """x [B, S(/tp), H], cos/sin [B, S, D] fp32, segment_ids [B, S] or None -> [B, S(/tp), H].
+        """x [B, S(/tp), H], cos/sin [B, S, Dr] fp32 (None: no RoPE), segment_ids [B, S] or None -> [B, S(/tp), H].
 
         With ``kv_cache`` (inference): the S positions follow the cached ones; their keys / values are appended
         and they attend every cached position (:func:`cached_attention`); ``segment_ids`` must be None."""
@@ -341,49 +361,92 @@ class LlamaAttention(nn.Module):
         else:
             q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
         b, s = q.shape[:2]
-        q, k, v = (t.view(b, s, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k, v = (t.view(b, s, -1, self.head_dim) for t in (q, k, v))  # [B, S, heads, D]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
+        if cos is not None:
+            q, k = _rotate(q, k, cos, sin)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
-            out = cached_attention(q, k, v)
+            out = cached_attention(q, k, v, window=self.core_attention.window)
         else:
             out = self.core_attention(q, k, v, segment_ids)  # [B, heads_local, S, D]
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """RoPE on the first ``Dr = cos.shape[-1]`` dims of each head of q / k [B, heads, S, D]; the other ``D - Dr``
+    pass through (partial rotary, GPT-NeoX / Megatron ``rotary_percent``)."""
+    dr = cos.shape[-1]
+    if dr == q.shape[-1]:
+        return apply_rotary_pos_emb(q, k, cos, sin)
+    q_rot, k_rot = apply_rotary_pos_emb(q[..., :dr], k[..., :dr], cos, sin)
+    return torch.cat([q_rot, q[..., dr:]], dim=-1), torch.cat([k_rot, k[..., dr:]], dim=-1)
+
+
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``h = x + attn(norm1(x)); out = h + mlp(norm2(h))``; [B, S(/tp), H] -> same."""
+    """Pre-norm block: ``h = x + drop(attn(norm1(x))); out = h + drop(mlp(norm2(h)))``; [B, S(/tp), H] -> same.
+
+    ``drop`` is the hidden dropout (:class:`~nxd_lc.models.common.family.DecoderOptions`; identity at 0 or in
+    eval), with a TP-layout-independent mask (:func:`~nxd_lc.layers.dropout.sharded_dropout`)."""
 
     #: nothing after the MLP saves a tensor for backward (the residual add does not): a checkpoint recomputation
     #: of this layer may skip the tiled MLP's chunk forwards (``nxd_lc.layers.tiled.discard_tiled_outputs``)
     tiled_output_unused_in_recompute: ClassVar[bool] = True
 
     def __init__(self, config: LlamaConfig, *, sequence_parallel: bool, init_method: InitMethod,
-                 attn_kw: dict[str, Any], mlp: nn.Module | None = None, **layer_kw: Any) -> None:
+                 attn_kw: dict[str, Any], mlp: nn.Module | None = None, options: DecoderOptions | None = None,
+                 layer_index: int = 0, output_init_method: InitMethod | None = None, **layer_kw: Any) -> None:
         super().__init__()
-        h, eps, sp = config.hidden_size, config.rms_norm_eps, sequence_parallel
-        norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"]}
-        self.input_layernorm = RMSNorm(h, eps, sequence_parallel_enabled=sp, **norm_kw)
-        self.self_attn = LlamaAttention(config, sequence_parallel=sp, init_method=init_method, **attn_kw,
-                                        **layer_kw)
-        self.post_attention_layernorm = RMSNorm(h, eps, sequence_parallel_enabled=sp, **norm_kw)
-        # the feed-forward block: a given one (e.g. nxd_lc.moe.MoE for a mixture-of-experts layer) or LlamaMLP
-        self.mlp = mlp if mlp is not None else LlamaMLP(
-            h, config.intermediate_size, bias=bool(getattr(config, "mlp_bias", False)),
-            sequence_parallel_enabled=sp, init_method=init_method, **layer_kw)
+        opts = options or decoder_options(config)
+        h, sp = config.hidden_size, sequence_parallel
+        norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"], "sequence_parallel_enabled": sp}
+        self.input_layernorm = build_norm(opts.norm, h, opts.norm_eps, **norm_kw)
+        self.self_attn = LlamaAttention(config, sequence_parallel=sp, init_method=init_method, options=opts,
+                                        layer_index=layer_index, output_init_method=output_init_method,
+                                        **attn_kw, **layer_kw)
+        self.post_attention_layernorm = build_norm(opts.norm, h, opts.norm_eps, **norm_kw)
+        self.hidden_dropout = opts.hidden_dropout
+        self.sequence_parallel = sp
+        mlp_kw = {"sequence_parallel_enabled": sp, "init_method": init_method, "ffn_dropout": opts.ffn_dropout,
+                  "output_init_method": output_init_method, **layer_kw}
+        # the feed-forward block: a given one (e.g. nxd_lc.moe.MoE for a mixture-of-experts layer), else the family's
+        if mlp is not None:
+            self.mlp = mlp
+        elif opts.activation == "gelu":
+            self.mlp = GeluMLP(h, config.intermediate_size, bias=opts.mlp_bias, **mlp_kw)
+        else:
+            self.mlp = LlamaMLP(h, config.intermediate_size, bias=opts.mlp_bias, **mlp_kw)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+    def _drop(self, y: torch.Tensor) -> torch.Tensor:
+        """Hidden dropout of a residual branch's output y [B, S(/tp), H] (sequence-sharded under SP)."""
+        if not self.hidden_dropout or not self.training:
+            return y
+        return hidden_dropout(y, self.hidden_dropout, self.sequence_parallel)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 segment_ids: torch.Tensor | None = None,
                 kv_cache: LayerKVCache | None = None) -> torch.Tensor | tuple[torch.Tensor, Any]:
         """x [B, S(/tp), H], segment_ids [B, S] or None (see :class:`LlamaForCausalLM`), this layer's
         ``kv_cache`` or None -> [B, S(/tp), H]; ``(output, statistics)`` when the feed-forward block returns
         statistics too (a mixture-of-experts layer's :class:`~nxd_lc.moe.routing.RouterStats`)."""
-        h = x + self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv_cache)
+        h = x + self._drop(self.self_attn(self.input_layernorm(x), cos, sin, segment_ids, kv_cache))
         y = self.mlp(self.post_attention_layernorm(h))
         if isinstance(y, tuple):
             y, stats = y
-            return h + y, stats
-        return h + y
+            return h + self._drop(y), stats
+        return h + self._drop(y)
+
+
+def hidden_dropout(y: torch.Tensor, p: float, sequence_parallel: bool) -> torch.Tensor:
+    """Training-mode dropout of activations y [B, S(/tp), H] outside the TP region, the mask independent of the
+    TP layout (sliced along S under sequence parallelism; see :mod:`nxd_lc.layers.dropout`)."""
+    sp = sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
+    return sharded_dropout(y, p, True, shard_dim=1 if sp else None,
+                           num_shards=parallel_state.get_tensor_model_parallel_world_size() if sp else 1,
+                           shard_index=parallel_state.get_tensor_model_parallel_rank() if sp else 0)
 
 
 class RemoteLayer(nn.Module):
@@ -433,17 +496,20 @@ class LlamaForCausalLM(nn.Module):
                  keep_embedding: bool = True, keep_head: bool = True) -> None:
         super().__init__()
         self.config = config
+        self.options = opts = decoder_options(config)
         self.sequence_parallel = sequence_parallel
         tp = parallel_state.get_tensor_model_parallel_world_size()
         self.vocab_size = config.vocab_size
-        self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp)
-        init = functools.partial(_normal_init, config.initializer_range)
+        self.padded_vocab_size = pad_vocab_size(config.vocab_size, tp * opts.make_vocab_size_divisible_by)
+        init = functools.partial(_normal_init, opts.init_std)
+        output_init = functools.partial(_normal_init, opts.output_init_std)
         layer_kw = {"dtype": dtype, "device": device, "use_cpu_initialization": use_cpu_initialization}
         attn_kw = {"kv_replicator": kv_replicator, "fuse_qkv": fuse_qkv, "qkv_linear": qkv_linear,
                        "flash_attention": flash_attention}
         self.embed_tokens = ParallelEmbedding(self.padded_vocab_size, config.hidden_size,
                                               sequence_parallel_enabled=sequence_parallel, init_method=init,
                                               **layer_kw)
+        self.embed_positions = self._position_table(init, dtype, device)
         # Every layer is built (so the seeded initialisation is the same at every pipeline split), and a layer
         # of another pipeline stage is dropped at once: peak memory is this stage's layers plus one.
         keep = set(range(config.num_hidden_layers)) if keep_layers is None else set(keep_layers)
@@ -451,17 +517,17 @@ class LlamaForCausalLM(nn.Module):
         for i in range(config.num_hidden_layers):
             layer = LlamaDecoderLayer(config, sequence_parallel=sequence_parallel, init_method=init,
                                       attn_kw=attn_kw, mlp=self.build_mlp(i, config, sequence_parallel, init, layer_kw),
-                                      **layer_kw)
+                                      options=opts, layer_index=i, output_init_method=output_init, **layer_kw)
             self.layers.append(layer if i in keep else RemoteLayer(i))
             del layer
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, sequence_parallel_enabled=sequence_parallel,
-                            dtype=dtype, device=device)
+        self.norm = build_norm(opts.norm, config.hidden_size, opts.norm_eps,
+                               sequence_parallel_enabled=sequence_parallel, dtype=dtype, device=device)
         self.lm_head = ColumnParallelLinear(config.hidden_size, self.padded_vocab_size, bias=False,
                                             gather_output=False, sequence_parallel_enabled=sequence_parallel,
                                             init_method=init, **layer_kw)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        self.rotary_emb = RotaryEmbedding(rope_spec_from_config(config))
+        self.rotary_emb = self._rotary()
         vocab_local = self.padded_vocab_size // tp
         first = parallel_state.get_tensor_model_parallel_rank() * vocab_local
         self.num_valid_vocab_local = max(0, min(vocab_local, config.vocab_size - first))
@@ -470,6 +536,49 @@ class LlamaForCausalLM(nn.Module):
         # tokens per chunk of the tiled CE in loss(); None: untiled (set by apply_memory_techniques)
         self.tiled_loss_chunk_size: int | None = None
 
+    def _position_table(self, init: InitMethod, dtype: torch.dtype,
+                        device: torch.device | str | None) -> nn.Embedding | None:
+        """Learned absolute positions ``[max_position_embeddings, H]`` (replicated over TP; under sequence
+        parallelism each rank adds the rows of its S/tp positions, so the weight's gradient is summed over TP),
+        or None with RoPE."""
+        if self.options.position_embedding != "learned_absolute":
+            return None
+        table = nn.Embedding(self.config.max_position_embeddings, self.config.hidden_size, dtype=dtype, device=device)
+        with torch.no_grad():
+            init(table.weight)
+        table.weight.sequence_parallel_enabled = self.sequence_parallel
+        return table
+
+    def _rotary(self) -> RotaryEmbedding | None:
+        """RoPE over the first ``rotary_percentage`` of each head's dims (None with learned positions)."""
+        if self.options.position_embedding != "rope":
+            return None
+        spec = rope_spec_from_config(self.config)
+        rotary_dim = int(spec.head_dim * self.options.rotary_percentage)
+        if rotary_dim != spec.head_dim:
+            spec = dataclasses.replace(spec, head_dim=rotary_dim)
+        return RotaryEmbedding(spec)
+
+    def embed(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
+        """Token embedding (+ learned positions, + hidden dropout when training): input_ids, position_ids [B, S]
+        -> [B, S(/tp), H] (sequence-sharded under SP, as the decoder layers take it)."""
+        h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
+        if self.embed_positions is not None:
+            pos = position_ids
+            tp = parallel_state.get_tensor_model_parallel_world_size()
+            if self.sequence_parallel and tp > 1:  # this rank's S/tp positions
+                pos = pos.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+            h = h + self.embed_positions(pos).to(h.dtype)
+        if self.options.hidden_dropout and self.training:
+            h = hidden_dropout(h, self.options.hidden_dropout, self.sequence_parallel)
+        return h
+
+    def position_encoding(self, position_ids: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """RoPE ``(cos, sin)`` [B, S, Dr] fp32 for the decoder layers, or ``(None, None)`` with learned positions."""
+        if self.rotary_emb is None:
+            return None, None
+        return self.rotary_emb(position_ids)
+
     def build_mlp(self, index: int, config: LlamaConfig, sequence_parallel: bool, init_method: InitMethod,
                   layer_kw: dict[str, Any]) -> nn.Module | None:
         """The feed-forward block of decoder layer ``index``, or None for the dense :class:`LlamaMLP` (what
@@ -477,7 +586,8 @@ class LlamaForCausalLM(nn.Module):
         return None
 
     def _keep_pipeline_part(self, keep_embedding: bool, keep_head: bool) -> None:
-        """Drop the embedding (not on the first pipeline stage) and the final norm + lm head (not on the last).
+        """Drop the embedding and position table (not on the first pipeline stage) and the final norm + lm head
+        (not on the last).
 
         With tied embeddings split over two stages, the last stage's lm head gets its own copy of the (already
         initialised) embedding weight; both are flagged ``pipeline_tied`` and their gradients are summed over the
@@ -495,6 +605,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight.pipeline_tied = True
         if not keep_embedding:
             self.embed_tokens = None
+            self.embed_positions = None
         if not keep_head:
             self.norm = None
             self.lm_head = None
@@ -575,8 +686,8 @@ class LlamaForCausalLM(nn.Module):
                 position_ids = (kv_cache.length + torch.arange(s, device=input_ids.device)).unsqueeze(0).expand(b, s)
         position_ids = self._check_inputs(input_ids, position_ids)
         self._check_segment_ids(segment_ids, input_ids)
-        cos, sin = self.rotary_emb(position_ids)  # [B, S, D] fp32
-        h = self.embed_tokens(input_ids)  # [B, S(/tp), H]
+        cos, sin = self.position_encoding(position_ids)  # [B, S, Dr] fp32 (None: learned positions)
+        h = self.embed(input_ids, position_ids)  # [B, S(/tp), H]
         h = self.run_layers(h, range(len(self.layers)), cos, sin, segment_ids, kv_cache)
         return self.head_input(h)
 
