@@ -79,9 +79,10 @@ def _drop_yarn_override(hf_overrides: dict[str, Any], rope_theta: Any, seq: int,
 
 def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     """``(transformers config, model)`` of a run: config.json + YAML overrides + ``hf_config_overrides`` (+ the
-    ``model.moe`` keys for a mixture-of-experts config.json), sharded for this rank, HF weights loaded
-    (``model.hf_weights_dir``), memory techniques applied. The model is a
-    :class:`~nxd_lc.models.llama.LlamaForCausalLM` for ``model_type: llama`` and a
+    ``model.moe`` keys for a mixture-of-experts config.json), or with ``model_source: megatron`` the ``model:``
+    architecture keys and the tokenizer's vocabulary (:mod:`nxd_lc.models.megatron`), sharded for this rank, HF
+    weights loaded (``model.hf_weights_dir``), memory techniques applied. The model is a
+    :class:`~nxd_lc.models.llama.LlamaForCausalLM` for the dense families (llama, mistral, qwen2, qwen3) and a
     :class:`~nxd_lc.models.mixtral.MixtralForCausalLM` for ``mixtral``. Needs ``parallel_state`` initialised (or a
     single process). Shared by training, the checkpoint converter and the evaluation, so all three build the same
     model.
@@ -107,7 +108,13 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     moe = is_moe_model(read_model_json(cfg))
     if moe:  # model.moe keys set the HF config's expert fields (NxDT's HF Mixtral does the same)
         hf_overrides = {**hf_overrides, **moe_hf_overrides(m.moe)}
-    hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides or None)
+    if cfg.model_source == "megatron":  # the architecture from the model: keys, the vocabulary from the tokenizer
+        from nxd_lc.data.tokenizer import tokenizer_vocab_size
+        from nxd_lc.models.megatron import build_megatron_config
+
+        hf_config = build_megatron_config(m, tokenizer_vocab_size(cfg.data.tokenizer))
+    else:
+        hf_config = build_llama_config(path, yaml_overrides, hf_config_overrides=hf_overrides or None)
     warn_if_rope_scaling_is_noop(hf_config, seq)  # config.json's own scaling stays applied, with a warning
     common = {"sequence_parallel": ds.sequence_parallel, "kv_replicator": ds.kv_replicator, "fuse_qkv": m.fuse_qkv,
               "qkv_linear": m.qkv_linear, "flash_attention": m.fusions.flash_attention,

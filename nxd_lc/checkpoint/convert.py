@@ -250,7 +250,7 @@ def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Modul
     _, model = _build_run_model(cfg)
     rope = (cfg.model.hf_config_overrides or {}).get("rope_scaling")
     wanted = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
-    built = model.rotary_emb.spec.rope_type
+    built = model.rotary_emb.spec.rope_type if model.rotary_emb is not None else None
     if wanted is not None and built != wanted:
         raise RuntimeError(f"model.hf_config_overrides.rope_scaling.rope_type is {wanted!r} but the model was "
                            f"built with rope_type {built!r}: nxd_lc.train.build_model ignores hf_config_overrides")
@@ -308,6 +308,8 @@ def load_run_tokenizer(cfg: NxdConfig) -> Any:
     from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer
 
     d = cfg.data
+    if d.data_prefix is not None:  # Megatron indexed data: an on-disk tokenizer, nothing trained
+        return load_tokenizer(d.tokenizer, None, require_fast=False)
     dm = PretrainingDataModule(d, seq_length=1, seed=cfg.seed, model_vocab_size=1, data_parallel_rank=0,
                                data_parallel_size=1, global_batch_size=d.micro_batch_size)
     train_src, _ = dm._sources()  # the same (train split) source the run fingerprinted its BPE with

@@ -110,6 +110,7 @@ class DistributedStrategyConfig:
     kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
     context_parallel_algo: str = "ring"  # ring (load-balanced ring attention) | ulysses (all-to-all over heads)
     expert_model_parallel_size: int = 1  # EP degree: experts sharded over EP ranks carved from DP (NxD layout)
+    token_shuffle_group_size: int = 1  # NxD MoE token shuffling over this many DP ranks (only 1: no shuffling)
 
 
 @dataclass
@@ -121,6 +122,13 @@ class TokenizerConfig:
     train_max_bytes: int = 16_000_000  # corpus bytes used to train the BPE (first files in sorted order)
     cache_dir: Optional[str] = None  # where trained tokenizers / tokenized corpora are cached (./.cache/nxd_lc)
     chat_template: Optional[str] = "default"  # alignment: default (the tokenizer's own) | null (concat) | jinja
+    library: Optional[str] = None  # null (type: HF dir | bytelevel_bpe) | huggingface (HF dir) | megatron (see README)
+    model: Optional[str] = None  # SentencePiece model file (NeMo's tokenizer_model; not supported yet)
+    vocab_file: Optional[str] = None  # library megatron, type GPT2BPETokenizer: the GPT-2 vocab.json
+    merge_file: Optional[str] = None  # library megatron, type GPT2BPETokenizer: the GPT-2 merges.txt
+    delimiter: Optional[str] = None  # NeMo's tabular tokenizer (not supported yet)
+    sentencepiece_legacy: bool = False  # NeMo's sentencepiece library (true: not supported yet)
+    use_fast: Optional[bool] = None  # HF AutoTokenizer use_fast (unset: true); text tokenization needs a fast one
 
 
 #: Effective values of the ``data`` keys whose schema default is None, so that validation can tell a key that was
@@ -128,6 +136,14 @@ class TokenizerConfig:
 #: :meth:`DataConfig.resolved`.
 DATA_KEY_DEFAULTS: Dict[str, Any] = {"val_fraction": 0.05, "text_key": "text", "cross_document_attention": False,
                                      "input_key": "input", "output_key": "output"}
+
+#: Effective values of the Megatron indexed-data keys (``data.data_prefix`` runs only; see
+#: :mod:`nxd_lc.data.megatron_dataset`); any of them set without ``data.data_prefix`` is an error.
+MEGATRON_DATA_KEY_DEFAULTS: Dict[str, Any] = {
+    "index_mapping_dir": None, "data_impl": "mmap", "splits_string": "969,30,1", "skip_warmup": True,
+    "dataloader_type": "single", "reset_position_ids": False, "reset_attention_mask": False, "eod_mask_loss": False,
+    "validation_drop_last": True, "no_seqlen_plus_one_input_tokens": False, "pad_samples_to_global_batch_size": False}
+DATA_KEY_DEFAULTS.update({k: v for k, v in MEGATRON_DATA_KEY_DEFAULTS.items() if v is not None})
 
 
 @dataclass
@@ -144,7 +160,7 @@ class DataConfig:
     text_key: Optional[str] = None  # pretraining: jsonl / datasets column with the document text (unset: text)
     seq_length: Optional[int] = None  # training tokens per sequence, <= model.encoder_seq_length (default: equal)
     num_workers: int = 0  # DataLoader worker processes
-    shuffle: bool = True  # seeded shuffle of packed sequences (seed = top-level seed)
+    shuffle: bool = True  # seeded shuffle of packed sequences (data_prefix: of documents and samples; seed: top-level)
     cross_document_attention: Optional[bool] = None  # pretraining: true attends across packed documents (unset: false)
     # pretraining: weighted sources [{source: corpus | <dir/file like train_dir> | synthetic, weight: w, ...}]
     # (synthetic: tasks, num_samples, min_length; see nxd_lc.data.mixture / nxd_lc.data.synthetic)
@@ -155,6 +171,20 @@ class DataConfig:
     dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
     input_key: Optional[str] = None  # alignment (NxDT SFT records): key of the prompt text (unset: input)
     output_key: Optional[str] = None  # alignment (NxDT SFT records): key of the response text (unset: output)
+    # pretraining, Megatron indexed data (nxd_lc.data.megatron_dataset): the <prefix>.bin/.idx files, as a prefix,
+    # a blend [w1, prefix1, w2, prefix2, ...], or {train: ..., validation: ..., test: ...} (then no splits_string)
+    data_prefix: Optional[Any] = None
+    index_mapping_dir: Optional[str] = None  # data_prefix: dir of the cached sample indices (unset: beside each prefix)
+    data_impl: Optional[str] = None  # data_prefix: indexed format; only 'mmap' (unset: mmap)
+    splits_string: Optional[str] = None  # data_prefix: train,validation,test shares of the documents (unset: 969,30,1)
+    skip_warmup: Optional[bool] = None  # data_prefix: false reads each .idx/.bin through once (page cache) at setup
+    dataloader_type: Optional[str] = None  # data_prefix: single (one seeded order) | cyclic (reshuffled each epoch)
+    reset_position_ids: Optional[bool] = None  # data_prefix: position ids restart after each EOD (unset: false)
+    reset_attention_mask: Optional[bool] = None  # data_prefix: no attention across an EOD (unset: false)
+    eod_mask_loss: Optional[bool] = None  # data_prefix: no loss at positions whose input is EOD (unset: false)
+    validation_drop_last: Optional[bool] = None  # data_prefix: false pads the last partial validation step (unset: on)
+    no_seqlen_plus_one_input_tokens: Optional[bool] = None  # data_prefix: S-token samples, last label masked
+    pad_samples_to_global_batch_size: Optional[bool] = None  # data_prefix: pad validation to whole global batches
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
 
     def resolved(self) -> DataConfig:
@@ -261,6 +291,28 @@ class ModelConfig:
     do_layer_norm_weight_decay: bool = False  # False: no weight decay on norm weights and biases
     moe: Optional[MoEConfig] = None  # mixture of experts (model_type mixtral); null for dense models
     optim: OptimConfig = field(default_factory=OptimConfig)
+    # ---- model_source: megatron: the architecture from these keys (null: NeMo's default; nxd_lc.models.megatron)
+    ffn_hidden_size: Optional[int] = None  # MLP intermediate size (required)
+    num_attention_heads: Optional[int] = None  # query heads (required)
+    num_kv_heads: Optional[int] = None  # key/value heads (GQA; null: num_attention_heads)
+    kv_channels: Optional[int] = None  # per-head size (null: hidden_size / num_attention_heads)
+    init_method_std: Optional[float] = None  # std of the normal weight init (0.02)
+    use_scaled_init_method: Optional[bool] = None  # output layers' std / sqrt(2 * num_layers) (true)
+    hidden_dropout: Optional[float] = None  # dropout on embeddings and residual branches (0.1)
+    attention_dropout: Optional[float] = None  # dropout on attention probabilities (0.1)
+    ffn_dropout: Optional[float] = None  # dropout on the MLP activation (0.0)
+    apply_query_key_layer_scaling: Optional[bool] = None  # fp16 overflow guard; a numerical no-op here (true)
+    normalization: Optional[str] = None  # layernorm | rmsnorm (layernorm)
+    layernorm_epsilon: Optional[float] = None  # norm epsilon (1e-5)
+    make_vocab_size_divisible_by: Optional[int] = None  # vocab padded to a multiple of this x TP (128)
+    persist_layer_norm: Optional[bool] = None  # Apex persistent LayerNorm kernel; no meaning here (false)
+    share_embeddings_and_output_weights: Optional[bool] = None  # tie the lm head to the embedding (true)
+    position_embedding_type: Optional[str] = None  # learned_absolute | rope (learned_absolute)
+    rotary_percentage: Optional[float] = None  # share of each head's dims rotated by RoPE (1.0)
+    activation: Optional[str] = None  # gelu | swiglu (gelu)
+    transformer_block_type: Optional[str] = None  # pre_ln (post_ln, normformer, gpt_j: not supported yet)
+    has_bias: Optional[bool] = None  # biases in every linear layer of the blocks (true)
+    sliding_window_size: Optional[int] = None  # Mistral sliding-window attention, in keys (null: none)
 
 
 @dataclass
@@ -282,7 +334,7 @@ class NxdConfig:
     """The whole run: NxDT's sections plus its top-level runtime keys."""
 
     name: str = "nxd_lc"  # run name
-    model_source: str = "hf"  # hf | megatron (megatron: not supported yet)
+    model_source: str = "hf"  # hf (model.model_config) | megatron (architecture from the model: keys)
     seed: int = 1234  # seeds weights init, data shuffling and dropout
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     exp_manager: ExpManagerConfig = field(default_factory=ExpManagerConfig)

@@ -246,11 +246,16 @@ def resolve_path(path: str) -> str:
 
 
 def read_model_json(cfg: NxdConfig) -> dict[str, Any] | None:
-    """The HF config.json named by ``model.model_config`` as a dict, or None when unset/missing.
+    """The HF config.json named by ``model.model_config`` as a dict, or None when unset/missing; with
+    ``model_source: megatron`` the equivalent dict of the ``model:`` keys (None while they have problems).
 
     Raises:
         ConfigError: the file is not valid JSON (names the file, line and column) or not a JSON object.
     """
+    if cfg.model_source == "megatron":  # the architecture is the model: keys (nxd_lc.models.megatron)
+        from nxd_lc.models.megatron import megatron_config_dict, megatron_problems
+
+        return None if megatron_problems(cfg.model, "megatron") else megatron_config_dict(cfg.model)
     if not cfg.model.model_config:
         return None
     path = resolve_path(cfg.model.model_config)
@@ -494,7 +499,9 @@ def _memory_problems(cfg: NxdConfig) -> list[str]:
 def _head_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     p: list[str] = []
     m, ds = cfg.model, cfg.distributed_strategy
-    if not m.model_config:
+    if cfg.model_source == "megatron" and hf is None:
+        return p  # the model: keys' own problems are reported by _megatron_problems
+    if not m.model_config and cfg.model_source != "megatron":
         return ["model.model_config: required; path to an HF config.json (e.g. conf/tiny_llama_config.json)"]
     if hf is None:
         return [f"model.model_config: file not found: {resolve_path(m.model_config)}"]
@@ -905,7 +912,34 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
             + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
             + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
             + _checkpoint_problems(cfg) + _mixture_problems(cfg) + _curriculum_problems(cfg)
-            + _moe_problems(cfg, hf))
+            + _moe_problems(cfg, hf) + _data_source_problems(cfg) + _megatron_problems(cfg))
+
+
+def _megatron_problems(cfg: NxdConfig) -> list[str]:
+    """The ``model_source: megatron`` architecture keys (:func:`nxd_lc.models.megatron.megatron_problems`), and
+    dropout (those keys', or an HF config.json's attention_dropout) with pipeline or context parallelism."""
+    from nxd_lc.models.megatron import MEGATRON_KEYS, megatron_problems
+
+    p = megatron_problems(cfg.model, cfg.model_source)
+    ds = cfg.distributed_strategy
+    if cfg.model_source == "megatron" and (ds.pipeline_model_parallel_size > 1 or ds.context_parallel_size > 1):
+        for key in ("hidden_dropout", "attention_dropout", "ffn_dropout"):
+            value = getattr(cfg.model, key)
+            if (MEGATRON_KEYS[key] if value is None else value) > 0:
+                p.append(f"not supported yet: model.{key} > 0 with pipeline_model_parallel_size > 1 or "
+                         "context_parallel_size > 1 (every stage / CP rank would draw the same dropout masks); "
+                         f"set model.{key}: 0")
+    return p
+
+
+def _data_source_problems(cfg: NxdConfig) -> list[str]:
+    """Megatron indexed data (``data.data_prefix`` and its keys, :mod:`nxd_lc.data.megatron_dataset`) and the
+    ``data.tokenizer`` library keys (:mod:`nxd_lc.data.tokenizer`)."""
+    from nxd_lc.data.megatron_dataset import megatron_data_problems
+    from nxd_lc.data.tokenizer import tokenizer_problems
+
+    return (megatron_data_problems(cfg.data, alignment=cfg.model_alignment_strategy is not None)
+            + tokenizer_problems(cfg.data.tokenizer))
 
 
 def _moe_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
@@ -921,16 +955,23 @@ def path_problems(cfg: NxdConfig) -> list[str]:
 
     p: list[str] = []
     d = cfg.data
-    if d.train_dir is None and d.builtin_corpus is None:
+    if d.data_prefix is not None:
+        from nxd_lc.data.megatron_dataset import megatron_path_problems
+
+        p += megatron_path_problems(d)
+    elif d.train_dir is None and d.builtin_corpus is None:
         p.append("data.train_dir: not set; point it at text files/jsonl/a datasets dir, or set "
                  "data.builtin_corpus: python_stdlib")
     for key, path in (("data.train_dir", d.train_dir), ("data.val_dir", d.val_dir)):
         if path is not None and not (os.path.exists(resolve_path(path))
                                      or glob.glob(resolve_path(path), recursive=True)):
             p.append(f"{key}: no such file, directory or glob match: {resolve_path(path)}")
-    tok = d.tokenizer.type
-    if tok not in (None, "bytelevel_bpe") and not os.path.isdir(resolve_path(tok)):
-        p.append(f"data.tokenizer.type: {tok!r} is neither 'bytelevel_bpe' nor an existing tokenizer directory")
+    from nxd_lc.data.tokenizer import tokenizer_paths
+
+    for key, path, is_dir in tokenizer_paths(d.tokenizer):
+        if not (os.path.isdir if is_dir else os.path.isfile)(resolve_path(path)):
+            what = "an existing tokenizer directory" + ("" if d.tokenizer.library else " (nor 'bytelevel_bpe')")
+            p.append(f"{key}: {path!r} is not {what if is_dir else 'an existing file'}")
     w = cfg.model.hf_weights_dir
     if w is not None and not os.path.isdir(resolve_path(w)):
         p.append(f"model.hf_weights_dir: no such directory: {resolve_path(w)} (expected HF safetensors files)")
@@ -944,11 +985,22 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
     """Keys set to values whose feature lands in a later issue: ``not supported yet: <key>=<value>``."""
     m = cfg.model
     checks: list[tuple[bool, str, Any]] = [
-        (cfg.model_source != "hf", "model_source", cfg.model_source),
         (m.optim.name not in IMPLEMENTED_OPTIMIZERS, "model.optim.name", m.optim.name),
         (m.optim.sched.name not in IMPLEMENTED_SCHEDULERS, "model.optim.sched.name", m.optim.sched.name),
     ]
-    return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad] + _auto_ring_on_xla(cfg)
+    return [f"not supported yet: {key}={value!r}" for bad, key, value in checks if bad] + _auto_ring_on_xla(cfg) \
+        + _data_unsupported(cfg)
+
+
+def _data_unsupported(cfg: NxdConfig) -> list[str]:
+    """``data.tokenizer`` keys nxd_lc cannot honour (:func:`nxd_lc.data.tokenizer.tokenizer_unsupported`) and NxD's
+    MoE token shuffling (``distributed_strategy.token_shuffle_group_size`` other than 1)."""
+    from nxd_lc.data.tokenizer import tokenizer_unsupported
+
+    size = cfg.distributed_strategy.token_shuffle_group_size
+    shuffle = [] if size == 1 else [f"not supported yet: distributed_strategy.token_shuffle_group_size={size!r} "
+                                    "(NxD's MoE token shuffling across DP ranks; only 1, no shuffling)"]
+    return tokenizer_unsupported(cfg.data.tokenizer) + shuffle
 
 
 def _auto_ring_on_xla(cfg: NxdConfig) -> list[str]:

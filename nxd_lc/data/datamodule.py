@@ -11,6 +11,10 @@ see each other (see :func:`nxd_lc.data.packing.packed_document_ids`):
 * true (Nemotron-UltraLong): the row attends causally as a whole; ``position_ids`` are ``0..S-1`` and
   ``segment_ids`` are all 0.
 
+With ``data.data_prefix`` the samples come from Megatron indexed data (:mod:`nxd_lc.data.megatron_dataset`) and
+Megatron's ``reset_position_ids`` / ``reset_attention_mask`` / ``eod_mask_loss`` replace
+``cross_document_attention`` (false above is all three true; true is all three false).
+
 Resume contract: the module keeps ``consumed_samples`` (samples consumed over ALL data-parallel ranks). The
 training code must call :meth:`PretrainingDataModule.advance` with ``global_batch_size`` after every optimizer
 step (e.g. from the LightningModule's ``on_train_batch_end`` when an optimizer step happened, or a callback).
@@ -59,14 +63,35 @@ def collate_packed(rows: list[np.ndarray], *, eos_id: int | None = None,
     Returns:
         int64 ``input_ids``, ``labels``, ``position_ids`` and int32 ``segment_ids`` (module doc).
     """
+    per_document = not cross_document_attention
+    return collate_documents(rows, eos_id=eos_id, reset_position_ids=per_document,
+                             reset_attention_mask=per_document, eod_mask_loss=per_document)
+
+
+def collate_documents(rows: list[np.ndarray], *, eos_id: int | None, reset_position_ids: bool,
+                      reset_attention_mask: bool, eod_mask_loss: bool) -> dict[str, torch.Tensor]:
+    """:func:`collate_packed` with Megatron's three document switches (``get_ltor_masks_and_position_ids``), each
+    applied after every ``eos_id`` (EOD) in the inputs; ``eos_id`` None: no switch has an effect.
+
+    Args:
+        rows: int ``[S + 1]`` samples; a -100 entry is a position without a token (input id 0, label -100).
+        reset_position_ids: position ids restart at 0 after each EOD (else ``0..S-1``).
+        reset_attention_mask: tokens after an EOD do not attend to it or anything before it (``segment_ids``
+            number the documents; else all 0).
+        eod_mask_loss: no loss (label -100) at positions whose input is the EOD.
+    Returns:
+        int64 ``input_ids``, ``labels``, ``position_ids`` and int32 ``segment_ids``, each ``[B, S]``.
+    """
     samples = torch.from_numpy(np.stack(rows).astype(np.int64))
     batch, seq = samples.shape[0], samples.shape[1] - 1
-    input_ids, labels = samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
-    if cross_document_attention or eos_id is None:
-        position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).repeat(batch, 1)
-        segment_ids = torch.zeros(batch, seq, dtype=torch.int32)
-    else:
-        position_ids, segment_ids = packed_document_ids(input_ids, eos_id)
+    input_ids, labels = samples[:, :-1].clamp(min=0), samples[:, 1:].contiguous()
+    position_ids = torch.arange(seq, dtype=torch.long).unsqueeze(0).repeat(batch, 1)
+    segment_ids = torch.zeros(batch, seq, dtype=torch.int32)
+    if eos_id is not None and (reset_position_ids or reset_attention_mask):
+        doc_positions, doc_segments = packed_document_ids(input_ids, eos_id)
+        position_ids = doc_positions if reset_position_ids else position_ids
+        segment_ids = doc_segments if reset_attention_mask else segment_ids
+    if eos_id is not None and eod_mask_loss:
         labels = mask_document_end_labels(labels, input_ids, eos_id)
     return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids, "segment_ids": segment_ids}
 
@@ -137,6 +162,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         """
         if self.train_dataset is not None:
             return
+        if self.cfg.data_prefix is not None:
+            self._setup_megatron()
+            return
         train_src, val_src = self._sources()
         cache_dir = self.cfg.tokenizer.cache_dir or DEFAULT_CACHE_DIR
         texts: Callable[[], Iterable[str]] | None = None if train_src.pretokenized else (
@@ -157,6 +185,19 @@ class PretrainingDataModule(pl.LightningDataModule):
         if self.cfg.mixture:
             self.train_dataset, self.val_dataset = self._mixture(cache_dir, self.train_dataset, self.val_dataset)
         self._check_val_size()
+
+    def _setup_megatron(self) -> None:
+        """``data.data_prefix``: the tokenizer (its EOD id and size only) and the Megatron indexed-data samples
+        (:mod:`nxd_lc.data.megatron_dataset`)."""
+        from nxd_lc.data.megatron_dataset import build_datasets
+
+        self._tokenizer = load_tokenizer(self.cfg.tokenizer, None, barrier=self.barrier, require_fast=False)
+        check_vocab(self._tokenizer, self.model_vocab_size)
+        self.train_dataset, self.val_dataset = build_datasets(
+            self.cfg, seq_length=self.seq_length, seed=self.seed, vocab_limit=self.model_vocab_size,
+            barrier=self.barrier)
+        if self.cfg.validation_drop_last:
+            self._check_val_size()
 
     def _mixture(self, cache_dir: str, train: PackedDataset, val: PackedDataset | None
                  ) -> tuple[MixtureDataset, MixtureDataset | None]:
@@ -243,9 +284,13 @@ class PretrainingDataModule(pl.LightningDataModule):
         step = self.cfg.micro_batch_size * self.data_parallel_size
         if len(self.val_dataset) < step:
             key = "data.val_dir" if self.cfg.val_dir is not None else "data.val_fraction"
+            fix = ("add validation text (data.val_dir), raise data.val_fraction, or set data.val_fraction: 0 to "
+                   "disable validation")
+            if self.cfg.data_prefix is not None:
+                key, fix = "data.splits_string", ("raise the validation share, set data.validation_drop_last: false "
+                                                  "(pads it), or give the validation share 0 to disable validation")
             raise ValueError(f"{key}: validation gives {len(self.val_dataset)} samples, fewer than "
-                             f"micro_batch_size x DP = {step}; add validation text (data.val_dir), raise "
-                             "data.val_fraction, or set data.val_fraction: 0 to disable validation")
+                             f"micro_batch_size x DP = {step}; {fix}")
 
     # ---- public state ------------------------------------------------------------------------------------
     @property
@@ -290,9 +335,11 @@ class PretrainingDataModule(pl.LightningDataModule):
         """Sampler over the packed train samples starting at the current ``consumed_samples``."""
         if self.train_dataset is None:
             raise RuntimeError("PretrainingDataModule.setup() has not run yet")
+        # data_prefix: the dataset holds the seeded order; dataloader_type cyclic reshuffles it every epoch
+        shuffle = self.cfg.dataloader_type == "cyclic" if self.cfg.data_prefix is not None else self.cfg.shuffle
         return PretrainingSampler(len(self.train_dataset), self.consumed_samples, self.cfg.micro_batch_size,
                                   self.data_parallel_rank, self.data_parallel_size, self.seed,
-                                  shuffle=self.cfg.shuffle, global_batch_size=self.global_batch_size)
+                                  shuffle=shuffle, global_batch_size=self.global_batch_size)
 
     def train_dataloader(self) -> DataLoader:
         """Training batches (dicts, see module doc) for this DP rank, resuming at ``consumed_samples``; with
@@ -307,12 +354,29 @@ class PretrainingDataModule(pl.LightningDataModule):
         """One sequential pass over the held-out samples, each DP rank its own slice ([] without validation)."""
         if self.val_dataset is None:
             return []
-        sampler = PretrainingSampler(len(self.val_dataset), 0, self.cfg.micro_batch_size,
+        dataset: Any = self.val_dataset
+        if self.cfg.data_prefix is not None and not self.cfg.validation_drop_last:
+            from nxd_lc.data.megatron_dataset import PaddedDataset, padded_length
+
+            step = self.cfg.micro_batch_size * self.data_parallel_size
+            multiple = self.global_batch_size if self.cfg.pad_samples_to_global_batch_size else step
+            dataset = PaddedDataset(dataset, padded_length(len(dataset), multiple), len(dataset[0]))
+        sampler = PretrainingSampler(len(dataset), 0, self.cfg.micro_batch_size,
                                      self.data_parallel_rank, self.data_parallel_size, self.seed, shuffle=False)
-        return self._loader(self.val_dataset, sampler)
+        return self._loader(dataset, sampler)
+
+    def collate_fn(self) -> Callable[[list[np.ndarray]], dict[str, torch.Tensor]]:
+        """The batch collate function: :func:`collate_documents` with Megatron's EOD switches (``data_prefix``) or
+        the ones ``cross_document_attention`` implies (module doc)."""
+        c = self.cfg
+        if c.data_prefix is not None:
+            flags = (c.reset_position_ids, c.reset_attention_mask, c.eod_mask_loss)
+        else:
+            flags = (not c.cross_document_attention,) * 3
+        return functools.partial(collate_documents, eos_id=self.eos_token_id, reset_position_ids=flags[0],
+                                 reset_attention_mask=flags[1], eod_mask_loss=flags[2])
 
     def _loader(self, dataset: PackedDataset | None, sampler: Any) -> DataLoader:
-        collate = functools.partial(collate_packed, eos_id=self.eos_token_id,
-                                    cross_document_attention=self.cfg.cross_document_attention)
+        collate = self.collate_fn()
         return DataLoader(dataset, batch_sampler=sampler, num_workers=self.cfg.num_workers,
                           collate_fn=collate, persistent_workers=False)

@@ -1,10 +1,22 @@
-"""Tokenizers: load an HF tokenizer directory, or train (and cache) a byte-level BPE on the corpus.
+"""Tokenizers: an HF tokenizer directory, GPT-2 BPE files, or a byte-level BPE trained (and cached) on the corpus.
 
-``data.tokenizer.type`` is either a local HF tokenizer directory (``AutoTokenizer.from_pretrained``) or
-``'bytelevel_bpe'``: a GPT-2 style byte-level BPE (Radford et al. 2019; ``tokenizers`` ``ByteLevel``
-pre-tokenizer + decoder, so every byte sequence round-trips) trained with the ``tokenizers`` library on at most
-``data.tokenizer.train_max_bytes`` UTF-8 bytes of the training documents, with ``<|endoftext|>`` as the only
-special token serving as eos, bos and pad.
+``data.tokenizer.library`` (NeMo's key) picks how ``type`` is read:
+
+* unset: ``type`` is a local HF tokenizer directory or ``'bytelevel_bpe'`` (below);
+* ``huggingface``: ``type`` is a local HF tokenizer directory (no hub downloads);
+* ``megatron``: ``type: GPT2BPETokenizer`` with ``vocab_file`` (vocab.json) and ``merge_file`` (merges.txt) builds
+  transformers' ``GPT2TokenizerFast`` from those files (EOD = eos = ``<|endoftext|>``, which the vocab must hold,
+  as Megatron's GPT-2 tokenizer requires); a ``type`` that is a directory path is an HF tokenizer directory (as
+  NxDT's Mixtral examples use it). Other Megatron types, other libraries (sentencepiece, tabular, ...), ``model``,
+  ``delimiter`` and ``sentencepiece_legacy: true`` are reported by :func:`tokenizer_unsupported`.
+
+``use_fast`` is AutoTokenizer's (unset: true). Tokenizing text (``train_dir``, alignment records) needs a fast
+tokenizer; Megatron indexed data (``data.data_prefix``) is already tokenized and only reads the EOD id and size.
+
+An HF directory is loaded with ``AutoTokenizer.from_pretrained``; ``type: 'bytelevel_bpe'`` is a GPT-2 style
+byte-level BPE (Radford et al. 2019; ``tokenizers`` ``ByteLevel`` pre-tokenizer + decoder, so every byte sequence
+round-trips) trained with the ``tokenizers`` library on at most ``data.tokenizer.train_max_bytes`` UTF-8 bytes
+of the training documents, with ``<|endoftext|>`` as the only special token serving as eos, bos and pad.
 
 Trained tokenizers are cached under ``<cache_dir>/tokenizers/<key>`` with key = SHA-256 of (corpus fingerprint,
 vocab_size, train_max_bytes, format version), so later runs load it instead of retraining.
@@ -160,8 +172,8 @@ def bpe_cache_path(tok_cfg: TokenizerConfig, cache_dir: str, corpus_fingerprint:
 
 def load_tokenizer(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterable[str]] | None,
                    cache_dir: str | None = None, *, corpus_fingerprint: str = "",
-                   is_builder: bool | None = None,
-                   barrier: Callable[[], None] | None = None) -> PreTrainedTokenizerFast:
+                   is_builder: bool | None = None, barrier: Callable[[], None] | None = None,
+                   require_fast: bool = True) -> PreTrainedTokenizerFast:
     """The tokenizer named by ``data.tokenizer``.
 
     Args:
@@ -171,16 +183,24 @@ def load_tokenizer(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterab
         corpus_fingerprint: identity of the training corpus (``DocumentSource.fingerprint()``: file list +
             sizes); part of the BPE cache key.
         is_builder, barrier: see :func:`build_once`.
+        require_fast: the caller tokenizes text with the fast backend (False: only the EOD id and size are read).
     Returns:
-        A fast tokenizer with an ``eos_token_id``.
+        A tokenizer (fast when ``require_fast``) with an ``eos_token_id``.
     Raises:
         ValueError: ``type`` unset, not a directory / 'bytelevel_bpe', not a fast tokenizer, without an eos
-            token, or 'bytelevel_bpe' without training texts. All name ``data.tokenizer.type``.
+            token, or 'bytelevel_bpe' without training texts (all name ``data.tokenizer.type``); a key of
+            :func:`tokenizer_unsupported` ("not supported yet"); GPT-2 files missing or without
+            ``<|endoftext|>`` (names ``data.tokenizer.vocab_file`` / ``merge_file``).
     """
+    problems = tokenizer_unsupported(tok_cfg)
+    if problems:
+        raise ValueError("; ".join(problems))
     kind = tok_cfg.type
+    if tok_cfg.library == "megatron" and kind == GPT2_BPE:
+        return _gpt2_bpe(tok_cfg)
     if kind is None:
         raise ValueError("data.tokenizer.type: not set; give an HF tokenizer directory or 'bytelevel_bpe'")
-    if kind == BYTELEVEL_BPE:
+    if kind == BYTELEVEL_BPE and tok_cfg.library is None:
         if train_texts_fn is None:
             raise ValueError("data.tokenizer.type: 'bytelevel_bpe' needs training text, but the corpus is "
                              "already tokenized (input_ids); give the tokenizer directory used to tokenize it")
@@ -192,9 +212,9 @@ def load_tokenizer(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterab
         return _load_dir(path, kind)
     directory = resolve_path(kind)
     if not os.path.isdir(directory):
-        raise ValueError(f"data.tokenizer.type: {kind!r} is neither 'bytelevel_bpe' nor an existing tokenizer "
-                         f"directory ({directory})")
-    return _load_dir(directory, kind)
+        what = "not an existing" if tok_cfg.library else "neither 'bytelevel_bpe' nor an existing"
+        raise ValueError(f"data.tokenizer.type: {kind!r} is {what} tokenizer directory ({directory})")
+    return _load_dir(directory, kind, use_fast=tok_cfg.use_fast is not False, require_fast=require_fast)
 
 
 def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Iterable[str]], out_dir: str) -> None:
@@ -205,16 +225,18 @@ def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Itera
              time.perf_counter() - start)
 
 
-def _load_dir(directory: str, kind: str) -> PreTrainedTokenizerFast:
+def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
+              require_fast: bool = True) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
     try:
-        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=True)
-    except (OSError, ValueError) as e:
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast)
+    except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: {e}") from e
-    if not getattr(tok, "is_fast", False):
-        raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); a fast "
-                         "(tokenizer.json) tokenizer is required")
+    if require_fast and not getattr(tok, "is_fast", False):
+        hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
+        raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "
+                         f"tokenized with a fast (tokenizer.json) tokenizer{hint}")
     if tok.eos_token_id is None:
         raise ValueError(f"data.tokenizer.type: tokenizer {kind!r} has no eos token; packing separates "
                          "documents with it; set eos_token in its tokenizer_config.json")
@@ -239,3 +261,103 @@ def check_vocab(tokenizer: PreTrainedTokenizerFast, model_vocab_size: int) -> No
         raise ValueError(f"data.tokenizer: the tokenizer has {n} tokens but the model's vocab_size (from "
                          f"model.model_config) is {model_vocab_size}; lower data.tokenizer.vocab_size to "
                          f"<= {model_vocab_size} or use a model config with vocab_size >= {n}")
+
+
+GPT2_BPE = "GPT2BPETokenizer"
+#: ``data.tokenizer.library`` values nxd_lc loads (None: nxd_lc's own reading of ``type``)
+TOKENIZER_LIBRARIES = (None, "huggingface", "megatron")
+
+
+def _is_path(kind: str | None) -> bool:
+    """Whether a Megatron-library ``type`` names a directory rather than a Megatron tokenizer class."""
+    return kind is not None and (os.sep in kind or "/" in kind or kind.startswith((".", "~")) or
+                                 os.path.isdir(resolve_path(kind)))
+
+
+def tokenizer_unsupported(tok: TokenizerConfig) -> list[str]:
+    """``not supported yet: data.tokenizer.<key>=<value>`` for each tokenizer key nxd_lc cannot honour (empty: all
+    can be): a library other than huggingface / megatron, a Megatron ``type`` other than GPT2BPETokenizer or a
+    directory, ``model`` (SentencePiece files), ``delimiter`` (tabular), ``sentencepiece_legacy: true``, and
+    ``vocab_file`` / ``merge_file`` outside library megatron + GPT2BPETokenizer."""
+    out: list[str] = []
+    gpt2 = tok.library == "megatron" and tok.type == GPT2_BPE
+    if tok.library not in TOKENIZER_LIBRARIES:
+        out.append(f"data.tokenizer.library={tok.library!r} (nxd_lc loads HF tokenizer directories: library "
+                   "huggingface, and Megatron's GPT2BPETokenizer files: library megatron)")
+    elif tok.library == "megatron" and not gpt2 and not _is_path(tok.type):
+        out.append(f"data.tokenizer.type={tok.type!r} with library megatron (supported: GPT2BPETokenizer with "
+                   "vocab_file + merge_file, or an HF tokenizer directory)")
+    for key, why in (("model", "a SentencePiece model file; give its HF tokenizer directory as data.tokenizer.type"),
+                     ("delimiter", "NeMo's tabular tokenizer")):
+        if getattr(tok, key) is not None:
+            out.append(f"data.tokenizer.{key}={getattr(tok, key)!r} ({why})")
+    if tok.sentencepiece_legacy:
+        out.append("data.tokenizer.sentencepiece_legacy=True (NeMo's sentencepiece library; set it false)")
+    for key in ("vocab_file", "merge_file"):
+        if getattr(tok, key) is not None and not gpt2 and tok.library in TOKENIZER_LIBRARIES:
+            out.append(f"data.tokenizer.{key}={getattr(tok, key)!r} (read only with library megatron, type "
+                       f"{GPT2_BPE}; an HF tokenizer directory carries its own files)")
+    return [f"not supported yet: {p}" for p in out]
+
+
+def tokenizer_problems(tok: TokenizerConfig) -> list[str]:
+    """Config errors of the ``data.tokenizer`` library keys (names the key and the fix): GPT2BPETokenizer needs
+    both files; ``bytelevel_bpe`` is nxd_lc's own trained tokenizer, read only without a library."""
+    p: list[str] = []
+    if tok.library == "megatron" and tok.type == GPT2_BPE:
+        for key in ("vocab_file", "merge_file"):
+            if getattr(tok, key) is None:
+                p.append(f"data.tokenizer.{key}: library megatron, type {GPT2_BPE} needs the GPT-2 "
+                         f"{'vocab.json' if key == 'vocab_file' else 'merges.txt'} file; set it")
+    if tok.library in ("huggingface", "megatron") and tok.type == BYTELEVEL_BPE:
+        p.append(f"data.tokenizer.type: {BYTELEVEL_BPE!r} is nxd_lc's trained tokenizer, not a {tok.library} one; "
+                 "remove data.tokenizer.library, or give an HF tokenizer directory")
+    if tok.library in ("huggingface", "megatron") and tok.type is None:
+        p.append(f"data.tokenizer.type: library {tok.library} needs a type (an HF tokenizer directory"
+                 + (f", or {GPT2_BPE})" if tok.library == "megatron" else ")"))
+    return p
+
+
+def tokenizer_paths(tok: TokenizerConfig) -> list[tuple[str, str, bool]]:
+    """``(key, path, is_dir)`` of the on-disk inputs the tokenizer config names (checked at launch)."""
+    if tok.library == "megatron" and tok.type == GPT2_BPE:
+        return [(f"data.tokenizer.{k}", getattr(tok, k), False) for k in ("vocab_file", "merge_file")
+                if getattr(tok, k) is not None]
+    if tok.type is None or (tok.type == BYTELEVEL_BPE and tok.library is None):
+        return []
+    return [("data.tokenizer.type", tok.type, True)]
+
+
+def _gpt2_bpe(tok_cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
+    """transformers' GPT2TokenizerFast from ``vocab_file`` + ``merge_file`` (Megatron's GPT2BPETokenizer)."""
+    from transformers import GPT2TokenizerFast
+
+    paths = {}
+    for key in ("vocab_file", "merge_file"):
+        path = getattr(tok_cfg, key)
+        if path is None or not os.path.isfile(resolve_path(path)):
+            raise ValueError(f"data.tokenizer.{key}: {GPT2_BPE} needs an existing file, got {path!r}")
+        paths[key] = resolve_path(path)
+    try:
+        tok = GPT2TokenizerFast(vocab=paths["vocab_file"], merges=paths["merge_file"])
+    except Exception as e:  # tokenizers raises its own exception types on malformed files
+        raise ValueError(f"data.tokenizer.vocab_file / merge_file: cannot build a GPT-2 BPE from {paths['vocab_file']}"
+                         f" and {paths['merge_file']}: {e}") from e
+    if EOS_TOKEN not in tok.get_vocab() or tok.convert_tokens_to_ids(EOS_TOKEN) >= tok.vocab_size:
+        raise ValueError(f"data.tokenizer.vocab_file: {paths['vocab_file']} has no {EOS_TOKEN!r} entry, which "
+                         f"Megatron's {GPT2_BPE} uses as EOD")
+    return tok
+
+
+def tokenizer_vocab_size(tok_cfg: TokenizerConfig) -> int:
+    """Vocabulary size of the configured on-disk tokenizer as NeMo counts it: ``len(tokenizer)`` (base vocabulary
+    plus added tokens), before any padding to ``make_vocab_size_divisible_by``.
+
+    Raises:
+        ValueError: the tokenizer cannot be loaded (names the ``data.tokenizer`` key), including
+            ``type: bytelevel_bpe``, which is trained from the corpus when the data module is set up.
+    """
+    if tok_cfg.type == BYTELEVEL_BPE and tok_cfg.library is None:
+        raise ValueError(f"data.tokenizer.type: {BYTELEVEL_BPE!r} is trained from the corpus at data setup, so its "
+                         "size is not known before; give an HF tokenizer directory (or GPT-2 vocab/merges files)")
+    return len(load_tokenizer(tok_cfg, None, require_fast=False))

@@ -244,10 +244,8 @@ def eval_session() -> Iterator[None]:
 def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: str, dp_rank: int,
                      dp_size: int) -> list[Batch]:
     """The first ``num_samples`` packed samples of ``split`` (unshuffled), this DP rank's share, one per batch."""
-    import functools
-
     from nxd_lc.config.validate import seq_length
-    from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
+    from nxd_lc.data.datamodule import PretrainingDataModule
 
     dm = PretrainingDataModule(cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed,
                                model_vocab_size=model_vocab_size, data_parallel_rank=0, data_parallel_size=1,
@@ -259,8 +257,7 @@ def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: s
         raise ValueError(f"--num-samples: the {split} split has {have} packed samples of length "
                          f"{seq_length(cfg)}, fewer than {num_samples}; lower --num-samples or raise "
                          f"data.val_fraction")
-    collate = functools.partial(collate_packed, eos_id=dm.eos_token_id,
-                                cross_document_attention=dm.cfg.cross_document_attention)
+    collate = dm.collate_fn()
     return [collate([dataset[i]]) for i in range(dp_rank, num_samples, dp_size)]
 
 

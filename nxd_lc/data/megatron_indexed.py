@@ -1,0 +1,307 @@
+"""Megatron-LM's indexed dataset format (``data_impl: mmap``): reader, writer and the preprocessing CLI.
+
+A dataset is two files named by a prefix ``P`` (what ``data.data_prefix`` lists):
+
+``P.bin``: the token ids of every sequence, concatenated, in the dtype the ``.idx`` names (no header).
+
+``P.idx`` (little endian; facts from Megatron-LM ``megatron/core/datasets/indexed_dataset.py``):
+
+=========  ==============================  ====================================================================
+bytes      type                            meaning
+=========  ==============================  ====================================================================
+9          ``b"MMIDIDX\\x00\\x00"``          magic
+8          uint64                          version, 1
+1          uint8                           token dtype code (:data:`DTYPE_CODES`: 1 uint8, 2 int8, 3 int16,
+                                           4 int32, 5 int64, 6 float64, 7 float32, 8 uint16)
+8          uint64                          ``sequence_count``
+8          uint64                          ``document_count`` = entries of ``document_indices`` (documents + 1)
+4 x seq    int32[sequence_count]           ``sequence_lengths`` (tokens)
+8 x seq    int64[sequence_count]           ``sequence_pointers`` (byte offset of each sequence in ``.bin``)
+8 x doc    int64[document_count]           ``document_indices``: 0, then the sequence index ending each document
+=========  ==============================  ====================================================================
+
+A document is usually one sequence (Megatron splits documents into several only with ``--split-sentences``);
+GPT training reads sequences and treats each as a document, as Megatron's ``GPTDataset`` does.
+
+Preprocessing (Megatron's ``tools/preprocess_data.py`` / NeMo's ``preprocess_data_for_megatron.py``)::
+
+    python -m nxd_lc.data.megatron_indexed --input corpus.jsonl --json-key text --output-prefix out/corpus \\
+        --append-eod --library megatron --type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt
+
+writes ``out/corpus_text_document.{bin,idx}``: one document per JSON line, tokenized without special tokens (as
+NeMo's ``text_to_ids``), followed by the EOD token (the tokenizer's eos) with ``--append-eod``. Token dtype: uint16
+when the vocabulary has fewer than 65500 entries, else int32 (Megatron's rule). The tokenizer flags are the
+``data.tokenizer`` keys (:func:`nxd_lc.data.tokenizer.load_tokenizer`), so the training run names the same one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import struct
+import sys
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import numpy as np
+
+INDEX_HEADER = b"MMIDIDX\x00\x00"
+INDEX_VERSION = 1
+#: Megatron's dtype codes (``DType`` in indexed_dataset.py)
+DTYPE_CODES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64,
+                                            6: np.float64, 7: np.float32, 8: np.uint16}
+_CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
+_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+
+
+def index_path(prefix: str) -> str:
+    """``<prefix>.idx``."""
+    return prefix + ".idx"
+
+
+def data_path(prefix: str) -> str:
+    """``<prefix>.bin``."""
+    return prefix + ".bin"
+
+
+def token_dtype(vocab_size: int) -> type[np.generic]:
+    """Megatron's token dtype for a vocabulary: uint16 below 65500 entries, else int32."""
+    return np.uint16 if vocab_size < 65500 else np.int32
+
+
+class IndexedDataset:
+    """Read-only view of ``<prefix>.idx`` / ``<prefix>.bin`` (both memory-mapped on first use, per process).
+
+    Pickling (into DataLoader workers) copies only the prefix and the header fields.
+
+    Args:
+        prefix: path without ``.bin`` / ``.idx``.
+        key: the config key named in errors (``data.data_prefix``).
+    Raises:
+        FileNotFoundError: a file is missing (names ``key`` and the path).
+        ValueError: a bad magic, version or dtype code, or an ``.idx`` / ``.bin`` whose size does not match its
+            header (names ``key`` and the file).
+    """
+
+    def __init__(self, prefix: str, key: str = "data.data_prefix") -> None:
+        self.prefix, self.key = prefix, key
+        for path in (index_path(prefix), data_path(prefix)):
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"{key}: no such file {path} (Megatron indexed data is <prefix>.bin + "
+                                        "<prefix>.idx; make it with python -m nxd_lc.data.megatron_indexed)")
+        with open(index_path(prefix), "rb") as f:
+            head = f.read(_HEADER_BYTES)
+        bad = f"{key}: {index_path(prefix)} is not a Megatron mmap index"
+        if len(head) < _HEADER_BYTES or head[:9] != INDEX_HEADER:
+            raise ValueError(f"{bad} (magic {head[:9]!r}, expected {INDEX_HEADER!r}); data.data_impl: mmap only")
+        version, code, self.sequence_count, self.document_count = struct.unpack("<QBQQ", head[9:])
+        if version != INDEX_VERSION or code not in DTYPE_CODES:
+            raise ValueError(f"{bad} (version {version}, dtype code {code}; expected version 1, codes 1-8)")
+        self.dtype = np.dtype(DTYPE_CODES[code])
+        expected = _HEADER_BYTES + 12 * self.sequence_count + 8 * self.document_count
+        if os.path.getsize(index_path(prefix)) < expected:
+            raise ValueError(f"{bad}: {os.path.getsize(index_path(prefix))} bytes, its header needs {expected}")
+        self._idx: np.memmap | None = None
+        self._bin: np.memmap | None = None
+        end = int(self.sizes.sum()) * self.dtype.itemsize
+        if os.path.getsize(data_path(prefix)) < end:
+            raise ValueError(f"{key}: {data_path(prefix)} has {os.path.getsize(data_path(prefix))} bytes, its index "
+                             f"needs {end}; the .bin and .idx are not one dataset")
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "_idx": None, "_bin": None}
+
+    def _index(self) -> np.memmap:
+        if self._idx is None:
+            self._idx = np.memmap(index_path(self.prefix), mode="r", dtype=np.uint8)
+        return self._idx
+
+    @property
+    def sizes(self) -> np.ndarray:
+        """int32 ``[sequence_count]``: tokens of each sequence."""
+        return np.frombuffer(self._index(), np.int32, self.sequence_count, _HEADER_BYTES)
+
+    @property
+    def pointers(self) -> np.ndarray:
+        """int64 ``[sequence_count]``: byte offset of each sequence in ``.bin``."""
+        return np.frombuffer(self._index(), np.int64, self.sequence_count, _HEADER_BYTES + 4 * self.sequence_count)
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 ``[documents + 1]``: 0, then the sequence index that ends each document."""
+        return np.frombuffer(self._index(), np.int64, self.document_count, _HEADER_BYTES + 12 * self.sequence_count)
+
+    def __len__(self) -> int:
+        return self.sequence_count
+
+    def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """Tokens ``[offset, offset + length)`` of sequence ``index`` (to its end when ``length`` is None), a
+        read-only view of the ``.bin`` map in the file's dtype."""
+        if self._bin is None:
+            self._bin = np.memmap(data_path(self.prefix), mode="r", dtype=np.uint8)
+        size = int(self.sizes[index])
+        length = size - offset if length is None else length
+        if not 0 <= offset <= offset + length <= size:
+            raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) of sequence {index} (length {size})")
+        start = int(self.pointers[index]) + offset * self.dtype.itemsize
+        return np.frombuffer(self._bin, self.dtype, length, start)
+
+    def __getitem__(self, index: int) -> np.ndarray:
+        return self.get(index)
+
+    def warmup(self, chunk_bytes: int = 100 << 20) -> None:
+        """Read both files through once (``data.skip_warmup: false``, legacy Megatron's ``_warmup_mmap_file``):
+        later random reads then hit the page cache instead of the file system."""
+        for path in (index_path(self.prefix), data_path(self.prefix)):
+            with open(path, "rb") as f:
+                while f.read(chunk_bytes):
+                    pass
+
+
+class IndexedDatasetWriter:
+    """Writes ``<prefix>.bin`` while sequences are added and ``<prefix>.idx`` on :meth:`finalize` (or on leaving a
+    ``with`` block without an exception).
+
+    Args:
+        prefix: output path without suffix (its directory is created).
+        dtype: token dtype; one of :data:`DTYPE_CODES` (see :func:`token_dtype`).
+    Raises:
+        ValueError: a dtype Megatron has no code for.
+    """
+
+    def __init__(self, prefix: str, dtype: type[np.generic] | np.dtype = np.uint16) -> None:
+        self.prefix, self.dtype = prefix, np.dtype(dtype)
+        if self.dtype not in _CODE_OF:
+            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of "
+                             f"{[np.dtype(t).name for t in DTYPE_CODES.values()]}")
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        self._bin = open(data_path(prefix), "wb")
+        self.sizes: list[int] = []
+        self.document_indices: list[int] = [0]
+
+    def add_sequence(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append one sequence (token ids that must fit the dtype)."""
+        arr = np.asarray(tokens)
+        out = arr.astype(self.dtype)
+        if arr.size and not np.array_equal(out, arr):
+            raise ValueError(f"token ids [{arr.min()}, {arr.max()}] do not fit {self.dtype}")
+        self._bin.write(out.tobytes(order="C"))
+        self.sizes.append(int(arr.size))
+
+    def end_document(self) -> None:
+        """Close the current document (the sequences added since the last call)."""
+        self.document_indices.append(len(self.sizes))
+
+    def add_document(self, tokens: Sequence[int] | np.ndarray) -> None:
+        """Append a one-sequence document."""
+        self.add_sequence(tokens)
+        self.end_document()
+
+    def finalize(self) -> None:
+        """Close ``.bin`` and write ``.idx``."""
+        self._bin.close()
+        sizes = np.asarray(self.sizes, dtype=np.int32)
+        pointers = np.zeros(len(sizes), dtype=np.int64)
+        if len(sizes):
+            pointers[1:] = np.cumsum(sizes[:-1].astype(np.int64)) * self.dtype.itemsize
+        with open(index_path(self.prefix), "wb") as f:
+            f.write(INDEX_HEADER)
+            f.write(struct.pack("<QBQQ", INDEX_VERSION, _CODE_OF[self.dtype], len(sizes),
+                                len(self.document_indices)))
+            f.write(sizes.tobytes(order="C"))
+            f.write(pointers.tobytes(order="C"))
+            f.write(np.asarray(self.document_indices, dtype=np.int64).tobytes(order="C"))
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self._bin.close()
+
+
+def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int] | np.ndarray],
+                          dtype: type[np.generic] | np.dtype = np.uint16) -> None:
+    """Write one-sequence ``documents`` as ``<prefix>.bin`` / ``<prefix>.idx``."""
+    with IndexedDatasetWriter(prefix, dtype) as w:
+        for doc in documents:
+            w.add_document(doc)
+
+
+def _batches(path: str, json_key: str, batch_size: int) -> Iterable[list[str]]:
+    batch: list[str] = []
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            record = json.loads(line)
+            if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
+                raise ValueError(f"--json-key: line {lineno} of {path} has no string field {json_key!r}")
+            batch.append(record[json_key])
+            if len(batch) == batch_size:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def preprocess(input_path: str, output_prefix: str, tokenizer: Any, *, json_key: str = "text",
+               append_eod: bool = False, batch_size: int = 256) -> tuple[str, int, int]:
+    """Tokenize the ``json_key`` field of each line of a .jsonl file into ``<output_prefix>_<json_key>_document``.
+
+    Args:
+        tokenizer: an HF tokenizer (``tokenizer(texts, add_special_tokens=False)``; ``eos_token_id`` is the EOD).
+    Returns:
+        ``(prefix written, documents, tokens)``.
+    Raises:
+        ValueError: a line without the field, or ``append_eod`` with a tokenizer that has no eos token.
+    """
+    eod = tokenizer.eos_token_id
+    if append_eod and eod is None:
+        raise ValueError("--append-eod: the tokenizer has no eos token to end documents with")
+    prefix = f"{output_prefix}_{json_key}_document"
+    docs = tokens = 0
+    with IndexedDatasetWriter(prefix, token_dtype(len(tokenizer))) as w:
+        for batch in _batches(input_path, json_key, batch_size):
+            for ids in tokenizer(batch, add_special_tokens=False)["input_ids"]:
+                w.add_document(list(ids) + ([eod] if append_eod else []))
+                docs, tokens = docs + 1, tokens + len(ids) + int(append_eod)
+    return prefix, docs, tokens
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI (module docstring). Returns the exit status."""
+    from nxd_lc.config.schema import TokenizerConfig
+    from nxd_lc.data.tokenizer import load_tokenizer
+
+    ap = argparse.ArgumentParser(prog="python -m nxd_lc.data.megatron_indexed", description=__doc__.splitlines()[0])
+    ap.add_argument("--input", required=True, help=".jsonl file, one document per line")
+    ap.add_argument("--json-key", default="text", help="field holding the text (default: text)")
+    ap.add_argument("--output-prefix", required=True, help="writes <prefix>_<json-key>_document.{bin,idx}")
+    ap.add_argument("--append-eod", action="store_true", help="end every document with the EOD (eos) token")
+    for key in ("library", "type", "model", "vocab_file", "merge_file", "delimiter"):
+        ap.add_argument("--" + key.replace("_", "-"), default=None, help=f"data.tokenizer.{key}")
+    ap.add_argument("--sentencepiece-legacy", action="store_true", help="data.tokenizer.sentencepiece_legacy")
+    ap.add_argument("--use-fast", action=argparse.BooleanOptionalAction, default=None, help="data.tokenizer.use_fast")
+    args = ap.parse_args(argv)
+    tok_cfg = TokenizerConfig(type=args.type, library=args.library, model=args.model, vocab_file=args.vocab_file,
+                              merge_file=args.merge_file, delimiter=args.delimiter,
+                              sentencepiece_legacy=args.sentencepiece_legacy, use_fast=args.use_fast)
+    try:
+        tokenizer = load_tokenizer(tok_cfg, None, require_fast=False)
+        prefix, docs, tokens = preprocess(args.input, args.output_prefix, tokenizer, json_key=args.json_key,
+                                          append_eod=args.append_eod)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {prefix}.bin / .idx: {docs} documents, {tokens} tokens")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
