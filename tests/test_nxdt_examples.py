@@ -1,4 +1,5 @@
-"""Acceptance: every NxDT HF example config (``../shared/reference/nxdt_examples/hf_llama*`` and ``hf_mixtral*``,
+"""Acceptance: every NxDT example config (``../shared/reference/nxdt_examples/hf_llama*``, ``hf_mixtral*`` and
+``megatron_*``,
 NxDT's own files, unchanged) trains 2 steps with a checkpoint through ``train.py`` under torchrun, given only
 command-line overrides that shrink it. nxd_lc's NxDT-named copies in ``conf/`` differ from those files only in keys
 the shrinking overrides replace (``model.model_config``, and ``kv_replicator`` in the Mixtral copies), which a fast
@@ -13,6 +14,11 @@ interpreter's stdlib sources with a byte-level BPE for pretraining; small jsonl 
 formats with the SmolLM2 tokenizer for alignment), the run and compile-cache directories, and 2 steps with a
 checkpoint at step 2. No key is removed. The Mixtral files get a tiny Mixtral ``config.json`` (8 experts, as their
 ``model.moe.num_experts``) and keep their ``model.moe`` keys (TP 2 x PP 2 for their TP 32 x PP 4).
+
+The ``model_source: megatron`` files keep their architecture keys' kinds and shrink their sizes (4 layers, hidden
+64, FFN 128, 4 heads, 2 KV heads where the file has GQA, a sliding window of 32 where it has one) and read Megatron
+indexed files (``data.data_prefix``) made from the same stdlib corpus with a tiny byte-level BPE, given as GPT-2
+vocab / merges files (the GPT file's ``GPT2BPETokenizer``) or as an HF tokenizer directory (the others).
 """
 
 from __future__ import annotations
@@ -34,7 +40,7 @@ TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 SEQ = 64
 
 
-_PATTERNS = ("hf_llama*.yaml", "hf_mixtral*.yaml")
+_PATTERNS = ("hf_llama*.yaml", "hf_mixtral*.yaml", "megatron_*.yaml")
 #: keys in which nxd_lc's conf/ copies may differ from NxDT's files (each replaced by the shrinking overrides)
 _COPY_DIFFERENCES = {"model.model_config", "distributed_strategy.kv_replicator"}
 
@@ -114,9 +120,28 @@ def _layout(tree: dict) -> tuple[int, int, int]:
     return tp, pp, cp
 
 
+def _megatron_values(tree: dict, files: dict[str, Path]) -> dict[str, object]:
+    """``model_source: megatron`` files: the architecture keys shrunk (4 layers, hidden 64, 4 heads, GQA kept as
+    GQA), the data prefix and tokenizer files replaced by tiny ones made with the same tokenizer library."""
+    gqa = int(_get(tree, "model.num_kv_heads") or 0) < int(_get(tree, "model.num_attention_heads") or 0)
+    values: dict[str, object] = {"model.ffn_hidden_size": 128, "model.num_attention_heads": 4,
+                                 "model.num_kv_heads": 2 if gqa else 4}
+    if _get(tree, "model.sliding_window_size"):
+        values["model.sliding_window_size"] = SEQ // 2  # shorter than the sequence, so the window acts
+    if _get(tree, "data.tokenizer.type") == "GPT2BPETokenizer":
+        values.update({"data.tokenizer.vocab_file": str(files["gpt2_vocab"]),
+                       "data.tokenizer.merge_file": str(files["gpt2_merges"]),
+                       "data.data_prefix": f"[1.0,{files['gpt2_prefix']}]"})
+    else:
+        values.update({"data.tokenizer.type": str(files["hf_tokenizer"]),
+                       "data.data_prefix": f"[1.0,{files['hf_prefix']}]"})
+    return values
+
+
 def shrink_overrides(tree: dict, files: dict[str, Path], run_dir: Path) -> tuple[list[str], int]:
     """Hydra overrides that shrink the NxDT config ``tree`` to a 2-step CPU run; returns (overrides, nproc)."""
     tp, pp, cp = _layout(tree)
+    megatron = tree.get("model_source") == "megatron"
     alignment = tree.get("model_alignment_strategy")
     algo = next(iter(alignment)) if isinstance(alignment, dict) else None
     values: dict[str, object] = {
@@ -128,9 +153,13 @@ def shrink_overrides(tree: dict, files: dict[str, Path], run_dir: Path) -> tuple
         "distributed_strategy.tensor_model_parallel_size": tp, "distributed_strategy.pipeline_model_parallel_size": pp,
         "distributed_strategy.kv_replicator": 1,
         "data.micro_batch_size": 1, "data.global_batch_size": 4,
-        "model.model_config": str(files["align_json" if algo else "moe_json" if _is_moe(tree) else "pretrain_json"]),
         "model.num_layers": 4, "model.hidden_size": 64, "model.encoder_seq_length": SEQ,
     }
+    if megatron:
+        values.update(_megatron_values(tree, files))
+    else:
+        values["model.model_config"] = str(files["align_json" if algo else "moe_json" if _is_moe(tree)
+                                                 else "pretrain_json"])
     if cp > 1 or _has(tree, "distributed_strategy.context_parallel_size"):
         values["distributed_strategy.context_parallel_size"] = cp
     if _has(tree, "model.max_position_embeddings"):
@@ -145,11 +174,11 @@ def shrink_overrides(tree: dict, files: dict[str, Path], run_dir: Path) -> tuple
         values["model.optim.sched.warmup_steps"] = 1
     if (_get(tree, "trainer.limit_val_batches") or 0) != 0:
         values["trainer.limit_val_batches"] = 1
-    if algo is None:
+    if algo is None and not megatron:
         values.update({"data.train_dir": str(files["corpus"]), "data.file_glob": "**/*.py",
                        "data.tokenizer.type": "bytelevel_bpe", "data.tokenizer.vocab_size": 512,
                        "data.tokenizer.cache_dir": str(files["cache"])})
-    else:
+    elif algo is not None:
         name = "sft" if algo == "sft" else "pref"
         values.update({"data.train_dir": str(files[f"{name}_jsonl"]), "data.tokenizer.type": str(files["tokenizer"])})
         if _get(tree, "data.val_dir") is not None:
@@ -189,6 +218,38 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         out[f"{name}_jsonl"] = root / f"{name}.jsonl"
         out[f"{name}_jsonl"].write_text("".join(json.dumps(r) + "\n" for r in rows))
     out["pretrained_ckpt"] = _pretrain(root, out)
+    out.update(_megatron_files(root, out["corpus"]))
+    return out
+
+
+def _megatron_files(root: Path, corpus: Path) -> dict[str, Path]:
+    """For the ``megatron_*`` files: a tiny byte-level BPE saved both as GPT-2 ``vocab.json`` + ``merges.txt``
+    (Megatron's GPT2BPETokenizer) and as an HF tokenizer directory, and the corpus (the stdlib files cut into
+    40-line documents, so that a 1 % validation split holds several sequences) preprocessed into Megatron indexed
+    files with each (``nxd_lc.data.megatron_indexed``, EOD appended)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2TokenizerFast
+
+    from nxd_lc.data.megatron_indexed import preprocess
+
+    docs = []
+    for path in sorted(corpus.rglob("*.py")):
+        lines = path.read_text().splitlines()
+        docs += ["\n".join(lines[i:i + 40]) for i in range(0, len(lines), 40)]
+    jsonl = root / "megatron_corpus.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs if d.strip()))
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(docs, vocab_size=512, special_tokens=["<|endoftext|>"])
+    tok_dir = root / "gpt2_bpe"
+    tok_dir.mkdir()
+    vocab, merges = (Path(p) for p in bpe.save_model(str(tok_dir)))
+    hf_dir = root / "hf_tokenizer"
+    gpt2 = GPT2TokenizerFast(vocab=str(vocab), merges=str(merges))  # what data.tokenizer GPT2BPETokenizer builds
+    gpt2.save_pretrained(hf_dir)
+    out = {"gpt2_vocab": vocab, "gpt2_merges": merges, "hf_tokenizer": hf_dir}
+    for name in ("gpt2", "hf"):
+        prefix, _, _ = preprocess(str(jsonl), str(root / name), gpt2, append_eod=True)
+        out[f"{name}_prefix"] = Path(prefix)
     return out
 
 
@@ -242,13 +303,14 @@ def test_conf_copies_equal_nxdt_files_and_validate_at_full_size(monkeypatch: pyt
     register_resolvers()  # ${multiply:...} in the files
     monkeypatch.chdir(REPO)  # model.model_config is relative to the launch directory
     copies = _conf_copies()
-    assert len(copies) == 13, [p.name for p in copies]
+    assert len(copies) == 19, [p.name for p in copies]
     for path in copies:
         with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
             raw = compose(config_name=path.stem)
         tree = yaml.safe_load(path.read_text())
         cfg = load_config(raw, world_size=tree["trainer"]["devices"] * tree["trainer"]["num_nodes"])
-        assert Path(REPO, cfg.model.model_config).is_file(), path.name
+        if cfg.model_source == "hf":
+            assert Path(REPO, cfg.model.model_config).is_file(), path.name
         original = EXAMPLES / path.name
         if not original.is_file():
             continue

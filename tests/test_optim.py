@@ -299,7 +299,7 @@ def test_scheduler_resume_takes_step_from_state_and_schedule_from_config() -> No
 
 @pytest.mark.parametrize("cfg,max_steps,match", [
     (SchedConfig(name="Cosine"), 10, "unknown schedule 'Cosine'"),
-    (SchedConfig(warmup_steps=8, constant_steps=4, name="CosineAnnealing"), 10, "exceeds the schedule length 10"),
+    (SchedConfig(warmup_steps=12, constant_steps=4, name="CosineAnnealing"), 10, "exceeds the schedule length 10"),
     (SchedConfig(constant_steps=2), 10, "only CosineAnnealing use constant_steps; remove it for Linear"),
     (SchedConfig(name="CosineAnnealing", min_lr=1.0), 10, "model.optim.sched.min_lr"),
     (SchedConfig(), 0, "schedule length must be >= 1"),
@@ -309,6 +309,22 @@ def test_bad_schedule_settings_error(cfg: SchedConfig, max_steps: int, match: st
     opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1e-3), False)
     with pytest.raises(ValueError, match=match):
         build_scheduler(opt, cfg, max_steps)
+
+
+def test_cosine_constant_steps_beyond_the_run_hold_min_lr_after_warmup(caplog: pytest.LogCaptureFixture) -> None:
+    """NxDT's megatron_gpt example (warmup 750 + constant 80000 > max_steps 20000): NeMo's formula has negative
+    decay steps D = M - C - W, so every step after warm-up is past W + D and gets min_lr; warned, not refused."""
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1.0), False)
+    cfg = SchedConfig(name="CosineAnnealing", warmup_steps=4, constant_steps=20, min_lr=0.1)
+    with caplog.at_level("WARNING"):
+        sched = build_scheduler(opt, cfg, 10)
+    assert "holds min_lr 0.1 from the end of warm-up" in caplog.text
+    lrs = []
+    for _ in range(9):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert lrs == pytest.approx([0.0, 0.25, 0.5, 0.75, 1.0, 0.1, 0.1, 0.1, 0.1])
 
 
 # ------------------------------------------------------------------------------- more NeMo optimizers (issue 5)

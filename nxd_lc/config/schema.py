@@ -256,6 +256,9 @@ class MoEConfig:
     output_router_logits: Optional[bool] = None  # add the load-balancing loss (config.json's when null)
     router_aux_loss_coef: Optional[float] = None  # weight of the load-balancing loss (config.json's when null)
     normalize_top_k_affinities: bool = True  # renormalise the kept top-k affinities to sum 1 (Mixtral)
+    router_activation: str = "softmax"  # softmax | sigmoid: NxD applies it in the sinkhorn router only (top_k: softmax)
+    sinkhorn_iterations: Optional[int] = None  # sinkhorn router only (not supported yet)
+    sinkhorn_tol: Optional[Any] = None  # sinkhorn router only (not supported yet); NxDT's files write the string None
 
 
 @dataclass

@@ -110,6 +110,9 @@ def megatron_problems(m: ModelConfig, model_source: str) -> list[str]:
         value = getattr(m, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             p.append(f"model.{key}: {value!r} must be a positive integer (or null)")
+    if m.moe is not None and _value(m, "activation") != "swiglu":
+        p.append("not supported yet: model.activation gelu with model.moe (the experts are SwiGLU); set "
+                 "model.activation: swiglu")
     if p:
         return p
     heads, kv = m.num_attention_heads, _value(m, "num_kv_heads") or m.num_attention_heads

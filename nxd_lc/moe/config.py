@@ -11,15 +11,23 @@ Dispatch (NxDT's comment in its Mixtral examples): ``dropless: true`` never drop
 with a ``capacity_factor`` > 0 drops the tokens beyond ``ceil(cf * T * k / E)`` per expert; ``dropless: false``
 without a capacity factor (null or <= 0) computes every routed token (NxDT's ``all_experts`` path), which is
 dropless too.
+
+``router_activation``, ``sinkhorn_iterations`` and ``sinkhorn_tol`` belong to NxD's Sinkhorn router (not supported
+yet): NxD's top-k router (``neuronx_distributed.modules.moe.routing.RouterTopK``) always takes softmax affinities,
+so with ``routing_algorithm: top_k`` they change nothing there or here (a ``sigmoid`` is logged as such).
 """
 
 from __future__ import annotations
 
+import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 from nxd_lc.config.schema import MoEConfig, NxdConfig
 from nxd_lc.models.mixtral.model import MoEOptions
+
+log = logging.getLogger(__name__)
 
 __all__ = ["MOE_MODEL_TYPES", "expert_parallel_problems", "moe_hf_overrides", "moe_options", "moe_problems"]
 
@@ -49,6 +57,9 @@ def moe_options(moe: MoEConfig | None) -> MoEOptions:
     ``capacity_factor`` only limits experts when ``dropless`` is false and it is > 0 (module docstring)."""
     if moe is None:
         return MoEOptions()
+    if moe.router_activation != "softmax" and moe.routing_algorithm == "top_k" and os.environ.get("RANK", "0") == "0":
+        log.warning("model.moe.router_activation: %s applies to the sinkhorn router only; the top_k router uses "
+                    "softmax affinities, as NxD's RouterTopK does", moe.router_activation)
     cf = moe.capacity_factor if (not moe.dropless and moe.capacity_factor is not None
                                  and moe.capacity_factor > 0) else None
     return MoEOptions(frequency=moe.frequency, capacity_factor=cf, dropless=cf is None,
@@ -72,6 +83,8 @@ def moe_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> list[str]:
         if moe.routing_algorithm != "top_k":
             p.append(f"not supported yet: model.moe.routing_algorithm={moe.routing_algorithm!r} (only top_k; "
                      "NxDT's HF Mixtral implements top_k only as well)")
+        if moe.router_activation not in ("softmax", "sigmoid"):
+            p.append(f"model.moe.router_activation: {moe.router_activation!r} is not one of softmax, sigmoid")
         if moe.dropout != 0.0:
             p.append(f"not supported yet: model.moe.dropout={moe.dropout} (NxDT's HF Mixtral passes it as attention "
                      "dropout); set it to 0.0")

@@ -13,7 +13,9 @@ from the checkpoint. The other NeMo schedules' formulas are in :mod:`nxd_lc.opti
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from collections.abc import Callable
 
 import torch
@@ -29,6 +31,8 @@ from nxd_lc.optim.annealing import (
     warmup_annealing_lr,
     warmup_hold_policy_lr,
 )
+
+log = logging.getLogger(__name__)
 
 
 def linear_annealing_with_warmup_lr(step: int, lr: float, warmup_steps: int, max_steps: int,
@@ -140,7 +144,15 @@ def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
         raise ValueError(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
                          f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps} / {sched_cfg.hold_steps}")
     total = sched_cfg.warmup_steps + sched_cfg.constant_steps + sched_cfg.hold_steps
-    if total > max_steps:
+    if total > max_steps and sched_cfg.name == "CosineAnnealing" and sched_cfg.constant_steps > 0 \
+            and sched_cfg.warmup_steps + sched_cfg.hold_steps <= max_steps:
+        # NeMo's formula with D = M - C - W < 0: min_lr from the end of warm-up on (NxDT's megatron_gpt example)
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("model.optim.sched: warmup %d + constant_steps %d exceed the schedule length %d, so NeMo's "
+                        "CosineAnnealing holds min_lr %g from the end of warm-up (no cosine decay), as NeMo / NxDT "
+                        "train this config; lower constant_steps to get a decay", sched_cfg.warmup_steps,
+                        sched_cfg.constant_steps, max_steps, sched_cfg.min_lr)
+    elif total > max_steps:
         raise ValueError(f"model.optim.sched.warmup_steps: warmup {sched_cfg.warmup_steps} + constant "
                          f"{sched_cfg.constant_steps} + hold {sched_cfg.hold_steps} exceeds the schedule "
                          f"length {max_steps}")
