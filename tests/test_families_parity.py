@@ -172,3 +172,50 @@ def _tp2_worker(rank: int, world: int, setup: dict) -> None:
 @pytest.mark.distributed
 def test_tp2_sequence_parallel_parity_and_hf_export(setup: dict) -> None:
     run_distributed(_tp2_worker, 2, setup)
+
+
+@pytest.mark.compat
+def test_sliding_window_and_attention_dropout_with_context_parallelism_are_refused(tmp_path: Path) -> None:
+    from nxd_lc.config.validate import ConfigError, load_config
+
+    def problems(config: PretrainedConfig) -> list[str]:
+        config.save_pretrained(tmp_path)
+        raw = {"trainer": {"devices": 2}, "distributed_strategy": {"context_parallel_size": 2},
+               "data": {"micro_batch_size": 1, "global_batch_size": 1},
+               "model": {"model_config": str(tmp_path / "config.json"), "encoder_seq_length": 64}}
+        try:
+            load_config(raw)
+        except ConfigError as e:
+            return e.problems
+        return []
+
+    found = problems(MistralConfig(**_BASE, sliding_window=16))
+    assert found == ["not supported yet: sliding-window attention (sliding_window of mistral config.json) with "
+                     "distributed_strategy.context_parallel_size > 1; set context_parallel_size: 1"]
+    assert problems(MistralConfig(**_BASE, sliding_window=None)) == []
+    assert problems(Qwen2Config(**_BASE, sliding_window=16)) == []  # use_sliding_window false: full attention
+    found = problems(Qwen3Config(**_BASE, attention_dropout=0.1))
+    assert len(found) == 1 and found[0].startswith("not supported yet: attention dropout")
+
+
+@pytest.mark.compat
+@pytest.mark.parametrize("family", ["mistral", "qwen2", "qwen3"])
+def test_checkpoint_converters_round_trip_each_family(setup: dict, family: str, tmp_path: Path) -> None:
+    """HF -> NxD checkpoint (``--convert_from_full_state``) -> HF (``--convert_to_full_state``) in process at TP 1:
+    transformers reads the result and its weights equal the original HF model's."""
+    from transformers import AutoModelForCausalLM
+
+    from nxd_lc.checkpoint import convert
+    from nxd_lc.config.validate import load_config
+
+    fam = setup["families"][family]
+    cfg = load_config({"trainer": {"devices": 1}, "data": {"micro_batch_size": 1, "global_batch_size": 1},
+                       "model": {"model_config": fam["ckpt"], "encoder_seq_length": 16},
+                       "exp_manager": {"explicit_log_dir": str(tmp_path / "run")}})
+    tag_dir = convert.convert_hf_to_checkpoint(cfg, fam["ckpt"], str(tmp_path / "nxd"), use_xser=False)
+    convert.convert_checkpoint_to_hf(cfg, tag_dir, str(tmp_path / "hf"), save_tokenizer=False)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert type(back).__name__.lower().startswith(family)
+    state = back.float().state_dict()
+    for key, value in fam["weights"].items():
+        torch.testing.assert_close(state[key], value, atol=0, rtol=0, msg=key)

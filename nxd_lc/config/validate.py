@@ -912,7 +912,27 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
             + _head_problems(cfg, hf) + _context_parallel_problems(cfg, hf) + _memory_problems(cfg)
             + _choice_problems(cfg) + _pipeline_problems(cfg, hf)
             + _checkpoint_problems(cfg) + _mixture_problems(cfg) + _curriculum_problems(cfg)
-            + _moe_problems(cfg, hf) + _data_source_problems(cfg) + _megatron_problems(cfg))
+            + _moe_problems(cfg, hf) + _data_source_problems(cfg) + _megatron_problems(cfg)
+            + _family_problems(cfg, hf))
+
+
+def _family_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
+    """Decoder-family parts not supported yet with context parallelism: sliding-window attention (mistral's
+    ``sliding_window``, qwen2 / qwen3 ``use_sliding_window``, Megatron ``sliding_window_size``) and attention
+    dropout (the ring / Ulysses kernels have neither)."""
+    if hf is None or cfg.distributed_strategy.context_parallel_size <= 1:
+        return []
+    kind, p = hf.get("model_type", "llama"), []
+    sliding = (kind == "mistral" and hf.get("sliding_window")) or (
+        kind in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"))
+    source = "model.sliding_window_size" if cfg.model_source == "megatron" else f"sliding_window of {kind} config.json"
+    if sliding:
+        p.append(f"not supported yet: sliding-window attention ({source}) with "
+                 "distributed_strategy.context_parallel_size > 1; set context_parallel_size: 1")
+    if cfg.model_source != "megatron" and float(hf.get("attention_dropout") or 0.0) > 0:  # megatron: its own check
+        p.append("not supported yet: attention dropout (model.attention_dropout / attention_dropout of config.json) "
+                 "with distributed_strategy.context_parallel_size > 1; set it to 0")
+    return p
 
 
 def _megatron_problems(cfg: NxdConfig) -> list[str]:
