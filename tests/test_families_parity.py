@@ -190,12 +190,14 @@ def test_sliding_window_and_attention_dropout_with_context_parallelism_are_refus
         return []
 
     found = problems(MistralConfig(**_BASE, sliding_window=16))
-    assert found == ["not supported yet: sliding-window attention (sliding_window of mistral config.json) with "
+    assert found == ["not supported yet: sliding-window attention (sliding_window of mistral config.json 16 < sequence "
+                     "64) with "
                      "distributed_strategy.context_parallel_size > 1; set context_parallel_size: 1"]
     assert problems(MistralConfig(**_BASE, sliding_window=None)) == []
+    assert problems(MistralConfig(**_BASE, sliding_window=64)) == []  # covers the 64-token sequence: causal
     assert problems(Qwen2Config(**_BASE, sliding_window=16)) == []  # use_sliding_window false: full attention
     found = problems(Qwen3Config(**_BASE, attention_dropout=0.1))
-    assert len(found) == 1 and found[0].startswith("not supported yet: attention dropout")
+    assert len(found) == 1 and found[0].startswith("not supported yet: attention dropout (attention_dropout of qwen3")
 
 
 @pytest.mark.compat

@@ -271,3 +271,73 @@ def test_config_errors_name_the_key() -> None:
         from nxd_lc.models.common.family import hf_export_config
 
         hf_export_config(build_megatron_config(_model_cfg(**GPT_KEYS), VOCAB))
+
+
+def test_attention_dropout_uses_one_shared_draw_and_its_own_stream() -> None:
+    """CoreAttention's dropout seeds a forked stream from ONE draw of the shared host generator (so what is drawn
+    after it does not depend on the number of local heads, i.e. on TP), is reproducible from the seed, and is the
+    identity in eval."""
+    from nxd_lc.models.common.attention import CoreAttention
+
+    attn = CoreAttention(dropout=0.5).train()
+    q = torch.randn(1, 4, 8, 4)
+    for heads in (4, 2):
+        torch.manual_seed(0)
+        out = attn(q[:, :heads], q[:, :heads], q[:, :heads])
+        after = torch.get_rng_state()
+        torch.manual_seed(0)
+        torch.randint(0, 2**62, (1,))
+        assert torch.equal(after, torch.get_rng_state())
+        torch.manual_seed(0)
+        torch.testing.assert_close(attn(q[:, :heads], q[:, :heads], q[:, :heads]), out, atol=0, rtol=0)
+    plain = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert not torch.allclose(out, plain[:, :2])
+    torch.testing.assert_close(attn.eval()(q, q, q), plain, atol=0, rtol=0)
+
+
+def test_megatron_llama_exports_as_hf_llama() -> None:
+    from nxd_lc.models.common.family import hf_export_config
+
+    config = hf_export_config(build_megatron_config(_model_cfg(**LLAMA_KEYS), VOCAB))
+    assert config.model_type == "llama" and not hasattr(config, "nxd_decoder")
+
+
+def test_megatron_moe_keys_the_experts_cannot_take_are_refused() -> None:
+    from nxd_lc.config.schema import MoEConfig
+
+    moe = MoEConfig(num_experts=None, top_k=2)
+    keys = {**LLAMA_KEYS, "moe": moe, "has_bias": True, "ffn_dropout": 0.1, "sliding_window_size": 8}
+    text = "\n".join(megatron_problems(_model_cfg(**keys), "megatron"))
+    for needle in ("model.moe.num_experts: required", "not supported yet: model.has_bias=True with model.moe",
+                   "not supported yet: model.ffn_dropout=0.1 with model.moe",
+                   "not supported yet: model.sliding_window_size=8 with model.moe"):
+        assert needle in text, text
+
+
+def test_learned_positions_go_to_the_first_pipeline_stage_in_converted_checkpoints() -> None:
+    from nxd_lc.checkpoint.convert import stage_state
+
+    state = {"model.embed_tokens.weight": 0, "model.embed_positions.weight": 1, "model.layers.0.x": 2,
+             "model.layers.1.x": 3, "model.norm.weight": 4, "model.lm_head.weight": 5}
+    first = stage_state(state, {"keep_layers": [0], "keep_embedding": True, "keep_head": False})
+    last = stage_state(state, {"keep_layers": [1], "keep_embedding": False, "keep_head": True})
+    assert set(first) == {"model.embed_tokens.weight", "model.embed_positions.weight", "model.layers.0.x"}
+    assert set(last) == {"model.layers.1.x", "model.norm.weight", "model.lm_head.weight"}
+
+
+def test_megatron_run_config_errors_name_the_keys() -> None:
+    from nxd_lc.config.validate import ConfigError, load_config
+
+    model = {**GPT_KEYS, "hidden_dropout": 0.1}
+    raw = {"model_source": "megatron", "trainer": {"devices": 2}, "model": model,
+           "distributed_strategy": {"pipeline_model_parallel_size": 2},
+           "data": {"micro_batch_size": 1, "global_batch_size": 2, "tokenizer": {"type": "bytelevel_bpe"},
+                    "curriculum": [{"until_step": 5, "seq_length": 16, "rope_scaling": {"rope_type": "linear",
+                                                                                         "factor": 2.0}}]}}
+    with pytest.raises(ConfigError) as info:
+        load_config(raw)
+    text = "\n".join(info.value.problems)
+    for needle in ("not supported yet: model.hidden_dropout > 0 with pipeline_model_parallel_size > 1",
+                   "data.curriculum[0].rope_scaling: the model has learned absolute positions",
+                   "data.tokenizer.type: bytelevel_bpe is trained from the corpus"):
+        assert needle in text, text

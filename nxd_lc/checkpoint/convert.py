@@ -410,14 +410,15 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
 
 def stage_state(state: dict[str, Any], part: dict[str, Any]) -> dict[str, Any]:
     """The entries of a whole-model LightningModule state dict (``model.<name>``) that pipeline rank ``part``
-    holds (``part``: :func:`nxd_lc.pipeline.rank_model_part`): its ``layers.<i>``, the embedding on the first
-    stage, the final norm and lm head on the last; other entries (buffers) go to every stage."""
+    holds (``part``: :func:`nxd_lc.pipeline.rank_model_part`): its ``layers.<i>``, the embedding (and a learned
+    position table) on the first stage, the final norm and lm head on the last; other entries (buffers) go to every
+    stage."""
     keep = {f"{MODEL_PREFIX}layers.{i}." for i in part["keep_layers"]}
     out = {}
     for k, v in state.items():
         if k.startswith(f"{MODEL_PREFIX}layers."):
             take = any(k.startswith(prefix) for prefix in keep)
-        elif k.startswith(f"{MODEL_PREFIX}embed_tokens."):
+        elif k.startswith((f"{MODEL_PREFIX}embed_tokens.", f"{MODEL_PREFIX}embed_positions.")):
             take = bool(part["keep_embedding"])
         elif k.startswith((f"{MODEL_PREFIX}norm.", f"{MODEL_PREFIX}lm_head.")):
             take = bool(part["keep_head"])

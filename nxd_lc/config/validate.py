@@ -917,21 +917,29 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
 
 
 def _family_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
-    """Decoder-family parts not supported yet with context parallelism: sliding-window attention (mistral's
-    ``sliding_window``, qwen2 / qwen3 ``use_sliding_window``, Megatron ``sliding_window_size``) and attention
-    dropout (the ring / Ulysses kernels have neither)."""
-    if hf is None or cfg.distributed_strategy.context_parallel_size <= 1:
+    """Decoder-family parts not supported yet: sliding-window attention shorter than the sequence (mistral's
+    ``sliding_window``, qwen2 / qwen3 ``use_sliding_window``, Megatron ``sliding_window_size``) with context
+    parallelism (the ring / Ulysses kernels have no window); attention dropout (a config.json's, or Megatron's
+    ``attention_dropout``) with context or pipeline parallelism (shared masks) or with ``model.compile`` (its
+    per-rank seed is a host read)."""
+    if hf is None:
         return []
-    kind, p = hf.get("model_type", "llama"), []
-    sliding = (kind == "mistral" and hf.get("sliding_window")) or (
-        kind in ("qwen2", "qwen3") and hf.get("use_sliding_window") and hf.get("sliding_window"))
+    kind, p, ds = hf.get("model_type", "llama"), [], cfg.distributed_strategy
+    window = hf.get("sliding_window") if kind == "mistral" or (
+        kind in ("qwen2", "qwen3") and hf.get("use_sliding_window")) else None
+    seq = model_seq_length(cfg)
     source = "model.sliding_window_size" if cfg.model_source == "megatron" else f"sliding_window of {kind} config.json"
-    if sliding:
-        p.append(f"not supported yet: sliding-window attention ({source}) with "
+    if window and ds.context_parallel_size > 1 and (seq is None or window < seq):
+        p.append(f"not supported yet: sliding-window attention ({source} {window} < sequence {seq}) with "
                  "distributed_strategy.context_parallel_size > 1; set context_parallel_size: 1")
-    if cfg.model_source != "megatron" and float(hf.get("attention_dropout") or 0.0) > 0:  # megatron: its own check
-        p.append("not supported yet: attention dropout (model.attention_dropout / attention_dropout of config.json) "
-                 "with distributed_strategy.context_parallel_size > 1; set it to 0")
+    dropout = float(hf.get("attention_dropout") or 0.0)
+    key = "model.attention_dropout" if cfg.model_source == "megatron" else f"attention_dropout of {kind} config.json"
+    if dropout > 0 and cfg.model_source != "megatron" and (ds.context_parallel_size > 1
+                                                           or ds.pipeline_model_parallel_size > 1):
+        p.append(f"not supported yet: attention dropout ({key} {dropout}) with context_parallel_size > 1 or "
+                 "pipeline_model_parallel_size > 1; set it to 0")  # megatron: _megatron_problems covers every dropout
+    if dropout > 0 and cfg.model.compile:
+        p.append(f"not supported yet: attention dropout ({key} {dropout}) with model.compile; set one of them off")
     return p
 
 
@@ -941,6 +949,17 @@ def _megatron_problems(cfg: NxdConfig) -> list[str]:
     from nxd_lc.models.megatron import MEGATRON_KEYS, megatron_problems
 
     p = megatron_problems(cfg.model, cfg.model_source)
+    tok = cfg.data.tokenizer
+    if cfg.model_source == "megatron" and (cfg.model.position_embedding_type or MEGATRON_KEYS[
+            "position_embedding_type"]) != "rope":
+        for i, stage in enumerate(cfg.data.curriculum or []):
+            if isinstance(stage, Mapping) and stage.get("rope_scaling") is not None:
+                p.append(f"data.curriculum[{i}].rope_scaling: the model has learned absolute positions "
+                         "(model.position_embedding_type), no RoPE to scale; remove it")
+    if cfg.model_source == "megatron" and tok.type == "bytelevel_bpe" and tok.library is None:
+        p.append("data.tokenizer.type: bytelevel_bpe is trained from the corpus at data setup, but model_source: "
+                 "megatron sizes its vocabulary from the tokenizer before; give an HF tokenizer directory or GPT-2 "
+                 "vocab_file / merge_file (library: megatron, type: GPT2BPETokenizer)")
     ds = cfg.distributed_strategy
     if cfg.model_source == "megatron" and (ds.pipeline_model_parallel_size > 1 or ds.context_parallel_size > 1):
         for key in ("hidden_dropout", "attention_dropout", "ffn_dropout"):

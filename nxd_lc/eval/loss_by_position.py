@@ -256,7 +256,8 @@ def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: s
         have = 0 if dataset is None else len(dataset)
         raise ValueError(f"--num-samples: the {split} split has {have} packed samples of length "
                          f"{seq_length(cfg)}, fewer than {num_samples}; lower --num-samples or raise "
-                         f"data.val_fraction")
+                         + ("the validation share of data.splits_string" if cfg.data.data_prefix is not None
+                            else "data.val_fraction"))
     collate = dm.collate_fn()
     return [collate([dataset[i]]) for i in range(dp_rank, num_samples, dp_size)]
 

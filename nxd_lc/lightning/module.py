@@ -173,6 +173,9 @@ class NxDLanguageModel(pl.LightningModule):
         stage = stage_at(self.curriculum, int(self.trainer.global_step))
         if stage is self._stage:
             return
+        if self.model.rotary_emb is None:  # learned positions: no RoPE to set (validation refuses rope_scaling)
+            self._stage = stage
+            return
         from nxd_lc.models.common.rope import rope_spec_with_scaling
 
         spec = rope_spec_with_scaling(self._model_rope, stage.rope_scaling,

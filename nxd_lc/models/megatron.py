@@ -110,9 +110,11 @@ def megatron_problems(m: ModelConfig, model_source: str) -> list[str]:
         value = getattr(m, key)
         if value is not None and (not isinstance(value, int) or value < 1):
             p.append(f"model.{key}: {value!r} must be a positive integer (or null)")
-    if m.moe is not None and _value(m, "activation") != "swiglu":
-        p.append("not supported yet: model.activation gelu with model.moe (the experts are SwiGLU); set "
-                 "model.activation: swiglu")
+    if m.moe is not None:
+        p += _moe_problems(m)
+    if m.tiled_mlp_chunk_size is not None and (_value(m, "activation") == "gelu" or _value(m, "ffn_dropout") > 0):
+        p.append("not supported yet: model.tiled_mlp_chunk_size with model.activation gelu or model.ffn_dropout > 0 "
+                 "(the tiled MLP is SwiGLU's, without dropout); set it to null")
     if p:
         return p
     heads, kv = m.num_attention_heads, _value(m, "num_kv_heads") or m.num_attention_heads
@@ -129,6 +131,21 @@ def megatron_problems(m: ModelConfig, model_source: str) -> list[str]:
     if m.encoder_seq_length > max_pos:
         p.append(f"model.encoder_seq_length ({m.encoder_seq_length}) exceeds model.max_position_embeddings "
                  f"({max_pos}); raise max_position_embeddings")
+    return p
+
+
+def _moe_problems(m: ModelConfig) -> list[str]:
+    """What the mixture-of-experts blocks do not take from the Megatron keys (their experts are bias-free SwiGLU
+    without dropout, and the MoE decoder has no sliding window)."""
+    p = []
+    if m.moe.num_experts is None:
+        p.append("model.moe.num_experts: required with model_source: megatron (no config.json to take it from)")
+    for key, bad, what in (("activation", _value(m, "activation") != "swiglu", "the experts are SwiGLU"),
+                           ("has_bias", bool(_value(m, "has_bias")), "the experts have no biases"),
+                           ("ffn_dropout", float(_value(m, "ffn_dropout")) > 0, "the experts have no dropout"),
+                           ("sliding_window_size", m.sliding_window_size is not None, "no sliding window with MoE")):
+        if bad:
+            p.append(f"not supported yet: model.{key}={_value(m, key)!r} with model.moe ({what})")
     return p
 
 

@@ -73,13 +73,15 @@ class ExpertMLPs(nn.Module):
         init_method: in-place init of a full weight; the full ``[E, 2I, H]`` / ``[E, H, I]`` tensors are
             initialised on the host and sliced (same values at every TP / EP layout).
         dtype, device: of the parameters.
+        output_init_method: init of ``down_proj`` (default ``init_method``).
 
     Raises:
         ValueError: E not divisible by EP, or I not divisible by TP.
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, init_method: InitMethod,
-                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 output_init_method: InitMethod | None = None) -> None:
         super().__init__()
         ep = parallel_state.get_expert_model_parallel_world_size()
         tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -93,7 +95,8 @@ class ExpertMLPs(nn.Module):
         self.first_expert = parallel_state.get_expert_model_parallel_rank() * self.num_local_experts
         self.gate_up_proj = self._init((num_experts, 2 * intermediate_size, hidden_size), 1, 2, init_method,
                                        dtype, device)
-        self.down_proj = self._init((num_experts, hidden_size, intermediate_size), 2, 1, init_method, dtype, device)
+        self.down_proj = self._init((num_experts, hidden_size, intermediate_size), 2, 1,
+                                    output_init_method or init_method, dtype, device)
 
     def _init(self, full_shape: tuple[int, int, int], partition_dim: int, stride: int, init_method: InitMethod,
               dtype: torch.dtype, device: torch.device | str | None) -> nn.Parameter:
@@ -124,6 +127,7 @@ class MoE(nn.Module):
         normalize_top_k_affinities: renormalise the kept top-k affinities per token (Mixtral: true).
         sequence_parallel: x and the output are ``[B, S/tp, H]``.
         init_method: in-place init of full weights (router and experts).
+        output_init_method: init of the experts' ``down_proj`` (default ``init_method``; Megatron's scaled init).
         dtype, device: of the expert parameters (the router weight is fp32).
 
     Raises:
@@ -134,7 +138,7 @@ class MoE(nn.Module):
                  capacity_factor: float | None = None, dropless: bool = True,
                  normalize_top_k_affinities: bool = True, sequence_parallel: bool = False,
                  init_method: InitMethod, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
+                 device: torch.device | str | None = None, output_init_method: InitMethod | None = None) -> None:
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"model.moe.top_k must be between 1 and model.moe.num_experts ({num_experts}), "
@@ -149,7 +153,8 @@ class MoE(nn.Module):
                                             use_cpu_initialization=True)
         self.router.weight.sequence_parallel_enabled = sequence_parallel  # grads summed over TP (local tokens)
         self.router.weight.keep_fp32 = True  # stays fp32 in bf16 precision modes (apply_precision), as NxD's router
-        self.experts = ExpertMLPs(num_experts, hidden_size, intermediate_size, init_method, dtype, device)
+        self.experts = ExpertMLPs(num_experts, hidden_size, intermediate_size, init_method, dtype, device,
+                                  output_init_method)
 
     def _enter_tp_region(self, x: torch.Tensor, weights: torch.Tensor,
                          index: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

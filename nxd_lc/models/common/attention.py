@@ -37,13 +37,16 @@ Sliding-window attention (``window``, Mistral; Beltagy et al. 2020, arXiv:2004.0
 the flash path runs one SDPA call with a boolean ``[B|1, 1, S, S]`` band mask (and'ed with the document mask for
 packed batches; O(S^2) memory, the price of a mask on CPU SDPA); a window >= S is plain causal attention.
 Attention dropout (``dropout_p``) is SDPA's ``dropout_p`` on the flash paths and a dropout of the probabilities on
-the eager path. Neither is supported yet under context parallelism or on the traced (compiled) document path.
+the eager path; :class:`CoreAttention` draws it from a per-TP-rank seeded stream (:meth:`CoreAttention._dropout_rng`).
+Neither is supported yet under context parallelism or on the traced (compiled) document path.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -218,6 +221,8 @@ def core_attention(
     if window is not None and (window < 1 or not causal):
         raise ValueError(f"sliding-window attention needs causal=True and a window >= 1, got {window}")
     if parallel_state.get_context_parallel_world_size() > 1:
+        if window is not None and window >= q.shape[2] * parallel_state.get_context_parallel_world_size():
+            window = None  # covers the whole (CP-sharded) sequence: plain causal attention
         if not causal:
             raise ValueError("context parallel attention is causal only; got causal=False with "
                              "distributed_strategy.context_parallel_size > 1")
@@ -352,10 +357,27 @@ class CoreAttention(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """See :func:`core_attention`; ``segment_ids`` [B, S] restricts attention to each packed document;
-        ``dropout`` applies while training only."""
-        return core_attention(q, k, v, flash_attention=self.flash_attention, causal=self.causal,
-                              scale=self.scale, segment_ids=segment_ids, window=self.window,
-                              dropout_p=self.dropout if self.training else 0.0)
+        ``dropout`` applies while training only (:meth:`_dropout_rng`)."""
+        kw = {"flash_attention": self.flash_attention, "causal": self.causal, "scale": self.scale,
+              "segment_ids": segment_ids, "window": self.window}
+        if not (self.dropout and self.training) or q.device.type == "xla":
+            return core_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, **kw)
+        with self._dropout_rng(q.device):
+            return core_attention(q, k, v, dropout_p=self.dropout, **kw)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _dropout_rng(device: torch.device) -> Iterator[None]:
+        """The attention-probability masks' random stream: one 62-bit seed drawn from the host generator every rank
+        shares (the same single draw at any layout, so the masks drawn after it, e.g. the hidden dropout, do not
+        depend on the TP size), offset by the TP rank (each rank's heads get their own masks, the decorrelation
+        Megatron-LM's model-parallel RNG tracker gives), used in a forked RNG state that is restored afterwards.
+        Activation checkpointing restores the host generator, so the recomputation draws the same seed."""
+        seed = int(torch.randint(0, 2**62, (1,), device=HOST).item()) + 1_000_003 * \
+            parallel_state.get_tensor_model_parallel_rank()
+        with torch.random.fork_rng(devices=[device] if device.type != HOST.type else [], device_type=device.type):
+            torch.manual_seed(seed)
+            yield
 
     def extra_repr(self) -> str:
         """Printed in ``repr(model)``."""

@@ -111,9 +111,12 @@ def _hf_options(config: Any) -> dict[str, Any]:
     std = float(getattr(config, "initializer_range", 0.02))
     return {
         "norm": "rmsnorm", "norm_eps": float(config.rms_norm_eps), "activation": "swiglu",
-        "qkv_bias": True if kind == "qwen2" else attention_bias,
+        # transformers' mistral / mixtral / qwen2 / qwen3 classes hard-code their biases (a stray config field
+        # changes nothing there, so it does not here)
+        "qkv_bias": True if kind == "qwen2" else attention_bias if kind in ("llama", "qwen3") else False,
         "o_bias": attention_bias if kind in ("llama", "qwen3") else False,
-        "mlp_bias": bool(getattr(config, "mlp_bias", False)), "qk_norm": kind == "qwen3",
+        "mlp_bias": bool(getattr(config, "mlp_bias", False)) if kind == "llama" else False,
+        "qk_norm": kind == "qwen3",
         "layer_windows": _layer_windows(config), "attention_dropout": float(getattr(config, "attention_dropout", 0.0)),
         "init_std": std, "output_init_std": std,
     }

@@ -543,9 +543,9 @@ class LlamaForCausalLM(nn.Module):
         or None with RoPE."""
         if self.options.position_embedding != "learned_absolute":
             return None
-        table = nn.Embedding(self.config.max_position_embeddings, self.config.hidden_size, dtype=dtype, device=device)
-        with torch.no_grad():
-            init(table.weight)
+        weight = torch.empty(self.config.max_position_embeddings, self.config.hidden_size, dtype=torch.float32)
+        init(weight)  # on the host with the seeded generator, as the parallel layers' use_cpu_initialization
+        table = nn.Embedding(*weight.shape, _weight=weight.to(dtype=dtype, device=device))
         table.weight.sequence_parallel_enabled = self.sequence_parallel
         return table
 

@@ -29,6 +29,7 @@ Not supported yet (constructor errors): router jitter noise and sliding-window a
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
@@ -40,7 +41,7 @@ from transformers import MixtralConfig
 from nxd_lc.distributed import parallel_state
 from nxd_lc.distributed.mappings import sum_over_context_parallel_region
 from nxd_lc.layers.linear import InitMethod
-from nxd_lc.models.llama.model import LlamaForCausalLM, causal_lm_loss_from_hidden
+from nxd_lc.models.llama.model import LlamaForCausalLM, _normal_init, causal_lm_loss_from_hidden
 from nxd_lc.moe.layer import MoE
 from nxd_lc.moe.routing import RouterStats, load_balancing_loss
 
@@ -118,7 +119,8 @@ class MixtralForCausalLM(LlamaForCausalLM):
         return MoE(config.hidden_size, config.intermediate_size, self.num_experts, self.top_k,
                    capacity_factor=o.capacity_factor, dropless=o.dropless,
                    normalize_top_k_affinities=o.normalize_top_k_affinities, sequence_parallel=sequence_parallel,
-                   init_method=init_method, dtype=layer_kw["dtype"], device=layer_kw["device"])
+                   init_method=init_method, dtype=layer_kw["dtype"], device=layer_kw["device"],
+                   output_init_method=functools.partial(_normal_init, self.options.output_init_std))
 
     def hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.hidden_states`; the MoE layers' routing statistics of this call are kept in
