@@ -19,8 +19,8 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from dist_utils import run_distributed
+from hf_parity import grads_as_hf, hf_reference
 from transformers import (
     MistralConfig,
     MistralForCausalLM,
@@ -34,7 +34,7 @@ from transformers import (
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
 from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, causal_lm_loss, load_hf_weights
-from nxd_lc.models.llama.hf_adapter import export_hf_state_dict, save_hf_weights
+from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
 VOCAB, B, S = 97, 2, 12
 ATOL = 3e-5
@@ -54,13 +54,7 @@ def _families() -> dict[str, tuple[type, PretrainedConfig]]:
 
 
 def _reference(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-    hf.zero_grad()
-    logits = hf(ids).logits
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
-    loss.backward()
-    grads = {n: p.grad.detach().clone() for n, p in hf.named_parameters()}
-    return {"logits": logits.detach(), "loss": loss.detach(), "grads": grads,
-            "weights": {n: p.detach().clone() for n, p in hf.state_dict().items()}}
+    return {**hf_reference(hf, ids, labels), "weights": {n: p.detach().clone() for n, p in hf.state_dict().items()}}
 
 
 @pytest.fixture(scope="module")
@@ -84,15 +78,6 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return out
 
 
-def _grads_as_hf(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our gradients under HF names: every parameter's data replaced by its gradient, then the exporter (a
-    collective over TP; KV replicas and vocab padding dropped as for weights)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.grad.detach().clone()
-    return export_hf_state_dict(model)
-
-
 def _check_family(fam: dict[str, Any], ids: torch.Tensor, labels: torch.Tensor, **model_kw: Any) -> None:
     config = build_llama_config(fam["ckpt"])
     model = LlamaForCausalLM(config, **model_kw)
@@ -106,7 +91,7 @@ def _check_family(fam: dict[str, Any], ids: torch.Tensor, labels: torch.Tensor, 
     torch.testing.assert_close(loss_sum / num, fam["loss"], atol=1e-6, rtol=0)
     allreduce_sequence_parallel_gradients(model)
     allreduce_kv_replica_gradients(model)
-    ours = _grads_as_hf(model)
+    ours = grads_as_hf(model)
     expected = {n: g for n, g in fam["grads"].items() if not (n == "lm_head.weight" and config.tie_word_embeddings)}
     assert set(ours) == set(expected), sorted(set(ours) ^ set(expected))
     for name, grad in expected.items():

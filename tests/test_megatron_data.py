@@ -31,9 +31,7 @@ pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; READM
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_JSON = str(REPO / "conf" / "tiny_llama_config.json")
-NXDT = Path("/work/shared/reference/nxdt_examples")
-if not NXDT.is_dir():
-    NXDT = REPO.parent / "shared" / "reference" / "nxdt_examples"
+NXDT = REPO.parent / "shared" / "reference" / "nxdt_examples"
 EOD = 0
 
 

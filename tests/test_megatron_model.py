@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from dist_utils import run_distributed
+from hf_parity import grads_as_hf, hf_reference
 from safetensors.torch import save_file
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
@@ -60,23 +61,6 @@ def _labels(ids: torch.Tensor) -> torch.Tensor:
     return labels
 
 
-def _hf_reference(hf: torch.nn.Module, ids: torch.Tensor, labels: torch.Tensor) -> dict[str, Any]:
-    hf.zero_grad()
-    logits = hf(ids).logits
-    loss = F.cross_entropy(logits.reshape(-1, VOCAB), labels.reshape(-1), ignore_index=-100)
-    loss.backward()
-    return {"logits": logits.detach(), "loss": loss.detach(),
-            "grads": {n: p.grad.detach().clone() for n, p in hf.named_parameters()}}
-
-
-def _grads_as_hf(model: LlamaForCausalLM) -> dict[str, torch.Tensor]:
-    """Our gradients under the adapter's HF-style names (parameter data replaced by the gradient, then export)."""
-    with torch.no_grad():
-        for p in model.parameters():
-            p.data = p.grad.detach().clone()
-    return export_hf_state_dict(model)
-
-
 def _run(model: LlamaForCausalLM, ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = model(ids)
     full = collectives.all_gather(logits.detach().contiguous(), -1, parallel_state.get_tensor_model_parallel_group())
@@ -98,7 +82,7 @@ def gpt2(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                 p.add_(0.1 * torch.randn_like(p))
     ids = torch.randint(0, VOCAB, (B, S))
     labels = _labels(ids)
-    ref = _hf_reference(hf, ids, labels)
+    ref = hf_reference(hf, ids, labels)
     mapped = gpt2_state_dict_to_nxd_names(hf.state_dict(), 2)
     grads = gpt2_state_dict_to_nxd_names(ref["grads"], 2)
     path = tmp_path_factory.mktemp("gpt2") / "model.safetensors"
@@ -113,7 +97,7 @@ def _check_gpt(gpt2: dict[str, Any], **model_kw: Any) -> None:
     logits, loss = _run(model, gpt2["ids"], gpt2["labels"])
     torch.testing.assert_close(logits[..., :VOCAB], gpt2["logits"], atol=ATOL, rtol=0)
     torch.testing.assert_close(loss, gpt2["loss"], atol=1e-6, rtol=0)
-    ours = _grads_as_hf(model)
+    ours = grads_as_hf(model)
     assert set(ours) == set(gpt2["grads"]), sorted(set(ours) ^ set(gpt2["grads"]))
     for name, grad in gpt2["grads"].items():
         torch.testing.assert_close(ours[name], grad, atol=ATOL, rtol=0, msg=name)
@@ -145,7 +129,7 @@ def test_megatron_llama_equals_hf_llama_with_the_same_weights(tmp_path: Any) -> 
     hf.save_pretrained(tmp_path / "hf")
     ids = torch.randint(0, VOCAB, (B, S))
     labels = _labels(ids)
-    ref = _hf_reference(hf, ids, labels)
+    ref = hf_reference(hf, ids, labels)
     config = build_megatron_config(_model_cfg(**LLAMA_KEYS), VOCAB)
     assert config.model_type == "llama"
     model = LlamaForCausalLM(config)
@@ -154,7 +138,7 @@ def test_megatron_llama_equals_hf_llama_with_the_same_weights(tmp_path: Any) -> 
     logits, loss = _run(model, ids, labels)
     torch.testing.assert_close(logits[..., :VOCAB], ref["logits"], atol=ATOL, rtol=0)
     torch.testing.assert_close(loss, ref["loss"], atol=1e-6, rtol=0)
-    ours = _grads_as_hf(model)
+    ours = grads_as_hf(model)
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(ours[name], grad, atol=ATOL, rtol=0, msg=name)
 
@@ -229,7 +213,7 @@ def _dropout_worker(rank: int, world: int, ref: dict[str, Any]) -> None:
     torch.manual_seed(7)
     logits, loss = _run(model, ref["ids"], ref["labels"])
     torch.testing.assert_close(logits[..., :VOCAB], ref["logits"], atol=ATOL, rtol=0)
-    ours = _grads_as_hf(model)
+    ours = grads_as_hf(model)
     for name, grad in ref["grads"].items():
         torch.testing.assert_close(ours[name], grad, atol=ATOL, rtol=0, msg=name)
 
@@ -248,7 +232,7 @@ def test_hidden_and_ffn_dropout_masks_do_not_depend_on_the_tp_layout(tmp_path: A
     labels = _labels(ids)
     torch.manual_seed(7)
     logits, _ = _run(model, ids, labels)
-    grads = _grads_as_hf(model)
+    grads = grads_as_hf(model)
     run_distributed(_dropout_worker, 2, {"keys": keys, "ids": ids, "labels": labels, "logits": logits[..., :VOCAB],
                                          "grads": grads, "ckpt": str(ckpt)})
 

@@ -181,10 +181,11 @@ def megatron_config_dict(m: ModelConfig, vocab_size: int | None = None) -> dict[
             "make_vocab_size_divisible_by": int(_value(m, "make_vocab_size_divisible_by")),
         },
     }
-    if m.moe is not None:  # the expert fields come from model.moe (nxd_lc.moe.config.moe_hf_overrides)
-        out.update({"num_local_experts": m.moe.num_experts, "num_experts_per_tok": m.moe.top_k or 2,
-                    "router_aux_loss_coef": m.moe.router_aux_loss_coef or 0.0,
-                    "output_router_logits": bool(m.moe.output_router_logits)})
+    if m.moe is not None:  # the expert fields: model.moe's non-null keys over these defaults (as for an HF Mixtral)
+        from nxd_lc.moe.config import moe_hf_overrides
+
+        out.update({"num_experts_per_tok": 2, "router_aux_loss_coef": 0.0, "output_router_logits": False,
+                    **moe_hf_overrides(m.moe)})
     if vocab_size is not None:
         out["vocab_size"] = vocab_size
     return out

@@ -82,11 +82,6 @@ class DecoderOptions:
         """Sliding-window size of decoder layer ``layer`` (None: full causal attention)."""
         return self.layer_windows[layer] if self.layer_windows else None
 
-    @property
-    def has_dropout(self) -> bool:
-        """Whether any dropout probability is non-zero."""
-        return bool(self.hidden_dropout or self.attention_dropout or self.ffn_dropout)
-
 
 def _layer_windows(config: Any) -> tuple[int | None, ...]:
     """Per-layer sliding windows from ``layer_types`` (qwen2 / qwen3) or a model-wide ``sliding_window``
