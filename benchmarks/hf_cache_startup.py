@@ -42,8 +42,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 def _cfg(model_dir: Path, log_dir: str, **model: Any) -> Any:
     from omegaconf import OmegaConf
 
+    from nxd_lc.app.validation import load_config
     from nxd_lc.config.resolvers import register_resolvers
-    from nxd_lc.config.validate import load_config
 
     register_resolvers()
     raw = OmegaConf.load("conf/cpu_smollm2_sft_config.yaml")

@@ -10,7 +10,7 @@ Run from the repository root::
 
 **What runs.** One launch = ``N = 4`` gloo processes on this machine (one node, ``trainer.devices: 4``, TP = 4, one
 torch thread each), each running training's start-up path up to the built model, in training's order
-(:func:`nxd_lc.train._fit`): typed config (:func:`nxd_lc.config.validate.load_config` over
+(:func:`nxd_lc.train._fit`): typed config (:func:`nxd_lc.app.validation.load_config` over
 ``conf/cpu_tiny_llama_config.yaml`` with the overrides of :func:`raw_config`), ``init_distributed``,
 ``parallel_state.initialize_model_parallel``, ``seed_everything``, then
 ``run_in_waves(build, factor, local_rank, LOCAL_WORLD_SIZE)`` (:mod:`nxd_lc.runtime.startup`) where ``build`` is
@@ -90,7 +90,7 @@ SMOKE_MODEL_CONFIG = "conf/tiny_llama_config.json"
 
 def raw_config(model_config: str, factor: int | None, num_layers: int | None) -> dict[str, Any]:
     """``conf/cpu_tiny_llama_config.yaml`` with the benchmark's overrides (4 ranks, TP = 4, ``model_config``,
-    ``sequential_move_factor``), as a plain dict for :func:`nxd_lc.config.validate.load_config`."""
+    ``sequential_move_factor``), as a plain dict for :func:`nxd_lc.app.validation.load_config`."""
     from omegaconf import OmegaConf
 
     from nxd_lc.config.resolvers import register_resolvers
@@ -141,7 +141,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     import pytorch_lightning as pl
 
-    from nxd_lc.config.validate import load_config
+    from nxd_lc.app.validation import load_config
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.runtime.device import init_distributed, resolve_accelerator

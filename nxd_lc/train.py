@@ -19,21 +19,12 @@ from typing import Any, Mapping, Optional
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
+from nxd_lc.app.validation import check_supported, load_config, path_problems, unsupported_features
+from nxd_lc.config.access import data_parallel_size, model_seq_length, peft_config, resolve_path, seq_length
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.peft_schema import PEFT_KEY
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import (
-    ConfigError,
-    check_supported,
-    data_parallel_size,
-    load_config,
-    model_seq_length,
-    path_problems,
-    peft_config,
-    read_model_json,
-    resolve_path,
-    seq_length,
-    unsupported_features,
-)
+from nxd_lc.models.config_json import read_model_json
 from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.env import apply_env, format_env_table
 

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 import torch
 
-from nxd_lc.config.validate import ConfigError, load_config
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.runtime import accel, device, xla
 
 pytestmark = pytest.mark.compat

@@ -18,12 +18,12 @@ from omegaconf import OmegaConf
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, PreTrainedTokenizerFast
 
+from nxd_lc.alignment.rules import validate_alignment
 from nxd_lc.config.alignment_schema import (
     DPOConfig,
     ModelAlignmentStrategyConfig,
     ORPOConfig,
     SFTConfig,
-    validate_alignment,
 )
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
 from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule, clean_arrow_record, read_records

@@ -14,8 +14,9 @@ import torch
 from omegaconf import OmegaConf
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.access import seq_length
 from nxd_lc.config.resolvers import register_resolvers
-from nxd_lc.config.validate import load_config, seq_length
 from nxd_lc.train import build_model
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")

@@ -13,8 +13,8 @@ import torch
 from omegaconf import OmegaConf
 
 from nxd_lc.checkpoint import integrity, sharded
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import ConfigError
 from nxd_lc.lightning import exp_manager
 from tests.dist_utils import run_distributed
 

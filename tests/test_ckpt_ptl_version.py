@@ -12,8 +12,9 @@ import pytorch_lightning as pl
 import torch
 from pytorch_lightning.utilities.migration.utils import _pl_migrate_checkpoint
 
+from nxd_lc.app.validation import load_config
 from nxd_lc.checkpoint import save_checkpoint
-from nxd_lc.config.validate import ConfigError, load_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.lightning.trainer import _backend_kwargs
 from nxd_lc.runtime.device import RuntimeInfo

@@ -18,7 +18,8 @@ from dist_utils import local_shard, run_distributed
 from test_context_parallel import ATOL, _batches, _reference, _step, _tiny_config
 from transformers import LlamaConfig
 
-from nxd_lc.config.validate import ConfigError, load_config
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.context import set_context_parallel_algo
 from nxd_lc.distributed import parallel_state
 from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers

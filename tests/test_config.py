@@ -13,16 +13,11 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
+from nxd_lc.app.validation import load_config, unsupported_features
+from nxd_lc.config.access import data_parallel_size, model_seq_length, seq_length
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.resolvers import div, multiply, register_resolvers
 from nxd_lc.config.schema import NxdConfig, register_configs
-from nxd_lc.config.validate import (
-    ConfigError,
-    data_parallel_size,
-    load_config,
-    model_seq_length,
-    seq_length,
-    unsupported_features,
-)
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from nxd_lc.config.validate import ConfigError, load_config
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
 
@@ -89,7 +90,7 @@ def test_ring_context_parallelism_on_cpu_is_valid() -> None:
 
 @pytest.mark.parametrize("neuron_host", [True, False])
 def test_auto_accelerator_reports_ring_on_a_neuron_host(monkeypatch: pytest.MonkeyPatch, neuron_host: bool) -> None:
-    from nxd_lc.config.validate import unsupported_features
+    from nxd_lc.app.validation import unsupported_features
     from nxd_lc.runtime import xla
 
     monkeypatch.setattr(xla, "neuron_available", lambda: neuron_host)
@@ -215,7 +216,7 @@ def test_nxdt_llama_example_validates(name: str, monkeypatch: pytest.MonkeyPatch
     world size and needs no feature that is not supported yet (off Trainium)."""
     from omegaconf import OmegaConf
 
-    from nxd_lc.config.validate import unsupported_features
+    from nxd_lc.app.validation import unsupported_features
     from nxd_lc.runtime import xla
 
     monkeypatch.chdir(REPO)

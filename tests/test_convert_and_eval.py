@@ -24,8 +24,8 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.app.validation import load_config
 from nxd_lc.checkpoint import convert, sharded
-from nxd_lc.config.validate import load_config
 from nxd_lc.data.packing import packed_document_ids
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps

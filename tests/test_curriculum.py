@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 import torch
 
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
-from nxd_lc.config.validate import ConfigError, load_config
 from nxd_lc.data.curriculum import (
     CurriculumBatchSampler,
     CurriculumDataModule,

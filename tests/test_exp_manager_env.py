@@ -9,8 +9,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from nxd_lc.checkpoint import sharded
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import ConfigError
 from nxd_lc.lightning import exp_manager
 from nxd_lc.runtime.env import apply_env, format_env_table
 

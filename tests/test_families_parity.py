@@ -161,7 +161,8 @@ def test_tp2_sequence_parallel_parity_and_hf_export(setup: dict) -> None:
 
 @pytest.mark.compat
 def test_sliding_window_and_attention_dropout_with_context_parallelism_are_refused(tmp_path: Path) -> None:
-    from nxd_lc.config.validate import ConfigError, load_config
+    from nxd_lc.app.validation import load_config
+    from nxd_lc.config.errors import ConfigError
 
     def problems(config: PretrainedConfig) -> list[str]:
         config.save_pretrained(tmp_path)
@@ -192,8 +193,8 @@ def test_checkpoint_converters_round_trip_each_family(setup: dict, family: str, 
     transformers reads the result and its weights equal the original HF model's."""
     from transformers import AutoModelForCausalLM
 
+    from nxd_lc.app.validation import load_config
     from nxd_lc.checkpoint import convert
-    from nxd_lc.config.validate import load_config
 
     fam = setup["families"][family]
     cfg = load_config({"trainer": {"devices": 1}, "data": {"micro_batch_size": 1, "global_batch_size": 1},

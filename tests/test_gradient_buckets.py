@@ -12,9 +12,11 @@ import torch
 from dist_utils import run_distributed
 from torch import nn
 
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import ConfigError, gradient_bucket_size_mb, load_config
 from nxd_lc.distributed import collectives, grads, parallel_state
+from nxd_lc.distributed.grads import gradient_bucket_size_mb
 from nxd_lc.lightning.module import NxDLanguageModel
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")

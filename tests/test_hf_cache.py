@@ -15,8 +15,8 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.app.validation import load_config
 from nxd_lc.config.resolvers import register_resolvers
-from nxd_lc.config.validate import load_config
 from nxd_lc.models.llama import hf_cache
 from nxd_lc.train import build_model
 from tests.dist_utils import run_distributed

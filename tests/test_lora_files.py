@@ -14,8 +14,10 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 
 from nxd_lc.alignment.lora_files import load_adapters, save_adapters
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.access import peft_config
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.peft_schema import PeftConfig
-from nxd_lc.config.validate import ConfigError, load_config, peft_config
 from nxd_lc.distributed import parallel_state
 from nxd_lc.layers.lora import apply_lora, lora_modules, lora_state_dict
 from nxd_lc.lightning.trainer import _backend_kwargs

@@ -14,8 +14,9 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from nxd_lc.app.validation import load_config, path_problems, unsupported_features
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
-from nxd_lc.config.validate import ConfigError, load_config, path_problems, unsupported_features
 from nxd_lc.data import megatron_indexed as mi
 from nxd_lc.data.datamodule import PretrainingDataModule, collate_documents
 from nxd_lc.data.megatron_dataset import (

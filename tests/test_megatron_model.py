@@ -310,7 +310,8 @@ def test_learned_positions_go_to_the_first_pipeline_stage_in_converted_checkpoin
 
 
 def test_megatron_run_config_errors_name_the_keys() -> None:
-    from nxd_lc.config.validate import ConfigError, load_config
+    from nxd_lc.app.validation import load_config
+    from nxd_lc.config.errors import ConfigError
 
     model = {**GPT_KEYS, "hidden_dropout": 0.1}
     raw = {"model_source": "megatron", "trainer": {"devices": 2}, "model": model,

@@ -14,7 +14,8 @@ import torch
 from dist_utils import run_distributed
 from torch import nn
 
-from nxd_lc.config.validate import ConfigError, load_config
+from nxd_lc.app.validation import load_config
+from nxd_lc.config.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_MIXTRAL = str(REPO / "conf" / "tiny_mixtral_config.json")

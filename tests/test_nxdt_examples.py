@@ -297,8 +297,8 @@ def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Pat
 def test_conf_copies_equal_nxdt_files_and_validate_at_full_size(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each conf/ copy holds NxDT's file key for key and value for value except :data:`_COPY_DIFFERENCES`, and
     validates at its own full size (world = devices x num_nodes, the shipped config.json)."""
+    from nxd_lc.app.validation import load_config
     from nxd_lc.config.resolvers import register_resolvers
-    from nxd_lc.config.validate import load_config
 
     register_resolvers()  # ${multiply:...} in the files
     monkeypatch.chdir(REPO)  # model.model_config is relative to the launch directory

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from nxd_lc.config.validate import ConfigError, load_config, unsupported_features
+from nxd_lc.app.validation import load_config, unsupported_features
+from nxd_lc.config.errors import ConfigError
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
 

@@ -173,13 +173,13 @@ def test_fp32_gradient_accumulation_is_exact() -> None:
 
 
 def test_unsupported_combinations_are_config_errors() -> None:
-    from nxd_lc.config.validate import _precision_problems
+    from nxd_lc.precision.rules import precision_problems
 
     cfg = _cfg("bf16SR")
     cfg.exp_manager.checkpoint_callback_params.use_master_weights_in_ckpt = True
     cfg.precision.parallel_layers_reduce_dtype = "fp16"
     cfg.precision.master_weights = True
-    problems = "\n".join(_precision_problems(cfg))
+    problems = "\n".join(precision_problems(cfg))
     assert "precision.parallel_layers_reduce_dtype: unknown value 'fp16'" in problems
     assert "use_master_weights_in_ckpt: precision.type bf16SR keeps no fp32 master weights" in problems
     assert "precision.master_weights: true contradicts precision.type bf16SR" in problems

@@ -298,7 +298,7 @@ def test_hf_config_overrides_merge(tmp_path: Path) -> None:
 def test_div_interpolation_sets_the_factor(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from nxd_lc.config.validate import load_config
+    from nxd_lc.app.validation import load_config
     from nxd_lc.models.llama.model import build_llama_config
 
     raw = OmegaConf.load(CONF / "cpu_tiny_llama_config.yaml")

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from nxd_lc.config.validate import ConfigError
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.lightning.run_lock import LOCK_FILE, RunLock
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
@@ -21,7 +21,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _other_process_acquires(log_dir: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     code = ("import sys; from nxd_lc.lightning.run_lock import RunLock\n"
-            "from nxd_lc.config.validate import ConfigError\n"
+            "from nxd_lc.config.errors import ConfigError\n"
             f"lock = RunLock({log_dir!r})\n"
             "try:\n    lock.acquire()\nexcept ConfigError as e:\n    print(e); sys.exit(3)\n"
             "print('acquired'); lock.release()\n")

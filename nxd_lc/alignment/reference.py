@@ -39,8 +39,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import resolved_max_prompt_length
-from nxd_lc.config.validate import resolve_path
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import lora_disabled, lora_modules

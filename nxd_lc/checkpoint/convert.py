@@ -131,12 +131,12 @@ def compose_run_config(config_name: str, config_dir: str = "conf", overrides: Se
 
     Raises:
         FileNotFoundError: the config directory or file does not exist.
-        nxd_lc.config.validate.ConfigError: the config is invalid (every problem listed).
+        nxd_lc.config.errors.ConfigError: the config is invalid (every problem listed).
     """
     from hydra import compose, initialize_config_dir
 
+    from nxd_lc.app.validation import load_config
     from nxd_lc.config.schema import register_configs
-    from nxd_lc.config.validate import load_config
 
     conf_dir = os.path.abspath(config_dir)
     name = config_name[:-5] if config_name.endswith(".yaml") else config_name
@@ -364,7 +364,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
             shard that does not fit the config's model.
     """
-    from nxd_lc.config.validate import peft_config
+    from nxd_lc.config.access import peft_config
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
@@ -498,7 +498,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (module docstring). Returns 0, or 2 after printing a config/input error."""
     import torch.distributed as dist
 
-    from nxd_lc.config.validate import ConfigError
+    from nxd_lc.config.errors import ConfigError
     from nxd_lc.runtime.device import init_distributed, launched_world_size
 
     parser = build_arg_parser()

@@ -15,7 +15,7 @@ Hook-up (done in ``schema.py`` / ``validate.py``, which this module does not edi
   the issue's spelling, next to the tokenizer it belongs to). This module does not import ``schema.py``, so
   ``schema.py`` can import it without a cycle;
 * :data:`ALIGNMENT_KEY_ALIASES` is appended to ``KEY_ALIASES``;
-* :func:`validate_alignment` is called by the validator; its messages join the collected errors.
+* the rules (:func:`nxd_lc.alignment.rules.validate_alignment`) live with the alignment package.
 """
 
 from __future__ import annotations
@@ -145,71 +145,3 @@ def resolved_max_prompt_length(max_prompt_length: Optional[int], seq_length: int
     return seq_length // 2 if max_prompt_length is None else int(max_prompt_length)
 
 
-def _check_truncation(key: str, value: str, errors: List[str]) -> None:
-    if value not in TRUNCATION_MODES:
-        errors.append(f"{key}: {value!r} is not one of {list(TRUNCATION_MODES)}")
-
-
-def _check_prompt_length(key: str, value: Optional[int], seq_length: Optional[int], errors: List[str]) -> None:
-    if value is None:
-        return
-    if value < 1:
-        errors.append(f"{key}: must be >= 1, got {value}")
-    elif seq_length is not None and value >= seq_length:
-        errors.append(f"{key}: {value} leaves no room for the response in data.seq_length {seq_length}; "
-                      f"lower it below {seq_length}")
-
-
-def _check_dpo(dpo: DPOConfig, prefix: str, errors: List[str]) -> None:
-    from nxd_lc.alignment.losses import parse_dpo_loss_type  # the losses' own parser: one list of names
-
-    term = None
-    try:
-        term, _ = parse_dpo_loss_type(list(dpo.loss_type) if not isinstance(dpo.loss_type, str) else dpo.loss_type)
-    except ValueError as e:
-        errors.append(str(e))
-    if dpo.kl_beta <= 0:
-        errors.append(f"{prefix}.kl_beta: must be > 0, got {dpo.kl_beta}")
-    if dpo.sft_loss_weight is not None and dpo.sft_loss_weight < 0:
-        errors.append(f"{prefix}.sft_loss_weight: must be >= 0, got {dpo.sft_loss_weight}")
-    if not 0.0 <= dpo.label_smoothing <= 0.5:
-        errors.append(f"{prefix}.label_smoothing: must be in [0, 0.5], got {dpo.label_smoothing}")
-    elif dpo.label_smoothing > 0 and term not in (None, "sigmoid"):
-        errors.append(f"{prefix}.label_smoothing: only defined for loss_type sigmoid (cDPO), not {term!r}")
-
-
-def validate_alignment(strategy: Optional[ModelAlignmentStrategyConfig], data: Any,
-                       seq_length: Optional[int]) -> List[str]:
-    """Problems with ``model_alignment_strategy`` and the alignment ``data.*`` keys, each naming key and fix.
-
-    Args:
-        strategy: the section (None: not an alignment run; nothing is checked).
-        data: the ``data:`` section (``DataConfig`` with the alignment fields).
-        seq_length: the effective sequence length (``data.seq_length`` or ``model.encoder_seq_length``).
-    Returns:
-        Error messages (empty when valid); the validator raises them together.
-    """
-    if strategy is None:
-        return []
-    errors: List[str] = []
-    try:
-        algorithm = strategy.algorithm
-    except ValueError as e:
-        return [str(e)]
-    if data.train_dir is None:
-        errors.append(f"data.train_dir: model_alignment_strategy.{algorithm} needs a .jsonl file, a directory of "
-                      ".jsonl files or a datasets save_to_disk directory")
-    if getattr(data, "dev_choose_samples", None) is not None and data.dev_choose_samples < 1:
-        errors.append(f"data.dev_choose_samples: must be >= 1 or null, got {data.dev_choose_samples}")
-    errors += [f"data.{key}: {why}; remove it" for key, why in PRETRAINING_ONLY_DATA_KEYS.items()
-               if getattr(data, key, None) is not None]
-    prefix = f"model_alignment_strategy.{algorithm}"
-    sub = getattr(strategy, algorithm)
-    _check_truncation(f"{prefix}.truncation_mode", sub.truncation_mode, errors)
-    if algorithm == "dpo":
-        _check_dpo(sub, prefix, errors)
-    if algorithm == "orpo" and sub.beta < 0:
-        errors.append(f"{prefix}.beta: must be >= 0, got {sub.beta}")
-    if algorithm in ("dpo", "orpo"):
-        _check_prompt_length(f"{prefix}.max_prompt_length", sub.max_prompt_length, seq_length, errors)
-    return errors

@@ -43,9 +43,9 @@ import torch
 import torch.utils.data
 from torch.utils.data import DataLoader
 
+from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import ModelAlignmentStrategyConfig, resolved_max_prompt_length
 from nxd_lc.config.schema import DataConfig
-from nxd_lc.config.validate import resolve_path
 from nxd_lc.data.alignment_format import RecordFormatter
 from nxd_lc.data.alignment_packing import (
     Example,

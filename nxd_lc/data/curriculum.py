@@ -86,7 +86,7 @@ def parse_curriculum(entries: Sequence[Mapping[str, Any]], *, micro_batch_size: 
     Raises:
         ValueError: an empty list, a missing ``seq_length``, ``until_step`` not increasing, a non-last stage
             without ``until_step``, or a batch geometry that does not divide (each naming ``data.curriculum[i]``);
-            :func:`nxd_lc.config.validate.validate` reports these (and more) before a run starts.
+            :func:`nxd_lc.app.validation.load_config` reports these (and more) before a run starts.
     """
     if not entries:
         raise ValueError("data.curriculum: empty; give at least one {until_step, seq_length} stage or remove it")
@@ -271,7 +271,7 @@ class StageValidationSampler:
 def curriculum_stages(cfg: Any) -> list[CurriculumStage] | None:
     """The run's :class:`CurriculumStage` list (``cfg``: a validated ``NxdConfig``), or None without
     ``data.curriculum``."""
-    from nxd_lc.config.validate import data_parallel_size
+    from nxd_lc.config.access import data_parallel_size
 
     if not cfg.data.curriculum:
         return None

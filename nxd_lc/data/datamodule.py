@@ -237,7 +237,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         import hashlib
         import os
 
-        from nxd_lc.config.validate import resolve_path
+        from nxd_lc.config.access import resolve_path
         from nxd_lc.data.synthetic import synthetic_rows
         from nxd_lc.data.tokenizer import build_once, tokenizer_fingerprint
 

@@ -42,8 +42,8 @@ from typing import Any
 import numpy as np
 import torch.utils.data
 
+from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import MEGATRON_DATA_KEY_DEFAULTS, DataConfig
-from nxd_lc.config.validate import resolve_path
 from nxd_lc.data.megatron_indexed import IndexedDataset, data_path, index_path
 from nxd_lc.data.tokenizer import build_once
 

@@ -36,7 +36,7 @@ import numpy as np
 import torch
 import torch.utils.data
 
-from nxd_lc.config.validate import resolve_path
+from nxd_lc.config.access import resolve_path
 from nxd_lc.data.sources import DocumentSource, iter_documents
 from nxd_lc.data.tokenizer import build_once, tokenizer_fingerprint
 

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from nxd_lc.config.validate import resolve_path
+from nxd_lc.config.access import resolve_path
 from nxd_lc.data import corpus
 from nxd_lc.runtime.files import file_digest
 

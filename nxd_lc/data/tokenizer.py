@@ -37,8 +37,8 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
+from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import TokenizerConfig
-from nxd_lc.config.validate import resolve_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast

@@ -33,12 +33,13 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from nxd_lc.config.schema import NxdConfig
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.collectives import ProcessGroup
 from nxd_lc.runtime.accel import HOST
 
 #: MiB per flattened all-reduce bucket unless the caller says otherwise (the DP reduction takes
-#: ``bucket_size_collectives`` from the config, :func:`nxd_lc.config.validate.gradient_bucket_size_mb`).
+#: ``bucket_size_collectives`` from the config, :func:`gradient_bucket_size_mb`).
 DEFAULT_BUCKET_SIZE_MB = 64.0
 
 
@@ -244,3 +245,9 @@ def clip_grad_norm_(
     total = global_grad_norm(params, norm_type, data_parallel_sharded)
     scale_grads_(params, torch.clamp(max_norm / (total + 1e-6), max=1.0))
     return total
+
+
+def gradient_bucket_size_mb(cfg: NxdConfig) -> float:
+    """MiB per bucket of the DP (x CP) gradient all-reduce: ``bucket_size_collectives``, else nxd_lc's default
+    (:data:`nxd_lc.distributed.grads.DEFAULT_BUCKET_SIZE_MB`, 64)."""
+    return float(cfg.bucket_size_collectives) if cfg.bucket_size_collectives is not None else DEFAULT_BUCKET_SIZE_MB

@@ -244,7 +244,7 @@ def eval_session() -> Iterator[None]:
 def _heldout_batches(cfg: Any, model_vocab_size: int, num_samples: int, split: str, dp_rank: int,
                      dp_size: int) -> list[Batch]:
     """The first ``num_samples`` packed samples of ``split`` (unshuffled), this DP rank's share, one per batch."""
-    from nxd_lc.config.validate import seq_length
+    from nxd_lc.config.access import seq_length
     from nxd_lc.data.datamodule import PretrainingDataModule
 
     dm = PretrainingDataModule(cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed,
@@ -300,7 +300,7 @@ def evaluate_run_config(cfg: Any, hf_dir: str, edges: Sequence[int], num_samples
 def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point. Returns 0, or 2 after printing a config/input error."""
     from nxd_lc.checkpoint.convert import compose_run_config
-    from nxd_lc.config.validate import ConfigError
+    from nxd_lc.config.errors import ConfigError
     from nxd_lc.runtime.device import launched_world_size
 
     parser = build_arg_parser()

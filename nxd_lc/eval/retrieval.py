@@ -499,7 +499,7 @@ def heldout_haystack(cfg: Any, model_vocab_size: int, num_tokens: int) -> tuple[
     Raises:
         ValueError: the config has no held-out split (names ``data.val_fraction`` / ``data.val_dir``).
     """
-    from nxd_lc.config.validate import seq_length
+    from nxd_lc.config.access import seq_length
     from nxd_lc.data.datamodule import PretrainingDataModule
 
     dm = PretrainingDataModule(cfg.data, seq_length=seq_length(cfg) or 0, seed=cfg.seed,
@@ -564,7 +564,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m nxd_lc.eva
     import sys
 
     from nxd_lc.checkpoint.convert import build_model, compose_run_config
-    from nxd_lc.config.validate import ConfigError
+    from nxd_lc.config.errors import ConfigError
     from nxd_lc.eval.loss_by_position import _eval_layout, eval_session, init_eval_layout
     from nxd_lc.eval.plots import plot_retrieval_heatmaps
     from nxd_lc.runtime.device import launched_world_size

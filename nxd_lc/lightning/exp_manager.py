@@ -20,8 +20,9 @@ from typing import Optional
 from pytorch_lightning.loggers import Logger
 
 from nxd_lc.checkpoint import integrity, sharded
+from nxd_lc.config.access import resolve_path
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import ConfigError, resolve_path
 from nxd_lc.distributed import collectives
 from nxd_lc.lightning.callbacks import NxDModelCheckpoint, NxDTensorBoardLogger
 from nxd_lc.lightning.run_lock import RunLock
@@ -219,7 +220,7 @@ def _layout_problem(cfg: NxdConfig, tag_dir: str, key: str) -> Optional[str]:
     run); None when the sizes match or the checkpoint is re-sharded on load (:mod:`nxd_lc.checkpoint.reshard`,
     logged here)."""
     from nxd_lc.checkpoint.reshard import saved_layout
-    from nxd_lc.config.validate import peft_config
+    from nxd_lc.config.access import peft_config
 
     saved = saved_layout(tag_dir)
     ds = cfg.distributed_strategy

@@ -41,11 +41,11 @@ import pytorch_lightning as pl
 import torch
 
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import gradient_bucket_size_mb
 from nxd_lc.context import context_parallel_loss, get_context_parallel_algo, shard_batch_for_context_parallel
 from nxd_lc.data.curriculum import CurriculumStage, curriculum_stages, stage_at
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.distributed.grads import gradient_bucket_size_mb
 from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
 from nxd_lc.precision import apply_precision, resolve_precision
 from nxd_lc.runtime import xla as xla_runtime

@@ -17,7 +17,7 @@ A lock that exists is **stale**, and taken over with a warning, when
 
 On this host the pid decides, also within one SLURM job or torchrun run: a live owner is a concurrent job step.
 
-Otherwise the run stops with a :class:`~nxd_lc.config.validate.ConfigError` that names the lock file, its owner and
+Otherwise the run stops with a :class:`~nxd_lc.config.errors.ConfigError` that names the lock file, its owner and
 the fix. The lock is released (the file deleted, only if it is still ours) when the run ends, also on an exception,
 and at interpreter exit. A lock left by a job killed with -9 on another host cannot be proven stale: delete it by
 hand once that job is gone (the message says so).
@@ -34,7 +34,7 @@ import time
 import uuid
 from typing import Any, Optional
 
-from nxd_lc.config.validate import ConfigError
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.runtime.process import pid_alive, process_start
 
 log = logging.getLogger(__name__)

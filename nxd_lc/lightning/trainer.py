@@ -7,8 +7,8 @@ from typing import Any, Optional
 
 import pytorch_lightning as pl
 
+from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.config.validate import data_parallel_size, peft_config, seq_length
 from nxd_lc.data.curriculum import curriculum_stages, stage_at
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers

@@ -9,7 +9,13 @@ from nxd_lc.optim.annealing import (
     warmup_hold_policy_lr,
 )
 from nxd_lc.optim.novograd import Novograd
-from nxd_lc.optim.optimizers import OPTIMIZER_BUILDERS, build_optimizer, is_no_decay_param, param_groups
+from nxd_lc.optim.optimizers import (
+    OPTIMIZER_BUILDERS,
+    OPTIMIZER_NAMES,
+    build_optimizer,
+    is_no_decay_param,
+    param_groups,
+)
 from nxd_lc.optim.schedulers import (
     SCHEDULE_NAMES,
     build_scheduler,
@@ -21,6 +27,7 @@ from nxd_lc.optim.wrapper import NxDOptimizer, install_fp32_grad_accumulation
 
 __all__ = [
     "OPTIMIZER_BUILDERS",
+    "OPTIMIZER_NAMES",
     "SCHEDULE_NAMES",
     "Novograd",
     "NxDOptimizer",

@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from nxd_lc.config.schema import OptimConfig
-from nxd_lc.config.validate import OPTIMIZERS
 from nxd_lc.optim.novograd import Novograd
 from nxd_lc.precision.policy import PrecisionPolicy
 from nxd_lc.runtime.accel import HOST
@@ -233,7 +232,8 @@ def _adafactor(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimi
                                  d=cfg.clip_threshold, weight_decay=cfg.weight_decay)
 
 
-#: NeMo optimizer name -> builder(param_groups, OptimConfig). Must match validate.IMPLEMENTED_OPTIMIZERS.
+#: NeMo optimizer name -> builder(param_groups, OptimConfig): the one list of optimizer names (validation reads
+#: :data:`OPTIMIZER_NAMES`).
 OPTIMIZER_BUILDERS: dict[str, Callable[[list[ParamGroup], OptimConfig], torch.optim.Optimizer]] = {
     "adamw": _adamw,
     "adamw_fp32OptState": _adamw_fp32_opt_state,
@@ -247,6 +247,9 @@ OPTIMIZER_BUILDERS: dict[str, Callable[[list[ParamGroup], OptimConfig], torch.op
     "novograd": _novograd,
     "adafactor": _adafactor,
 }
+
+#: Every optimizer name ``model.optim.name`` accepts (NeMo's plus NxD's ``adamw_fp32OptState``).
+OPTIMIZER_NAMES: tuple[str, ...] = tuple(OPTIMIZER_BUILDERS)
 
 
 def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], optim_cfg: OptimConfig,
@@ -270,14 +273,11 @@ def build_optimizer(named_params: Iterable[tuple[str, torch.nn.Parameter]], opti
         (an :class:`~nxd_lc.optim.wrapper.NxDOptimizer` when wrapped).
 
     Raises:
-        ValueError: ``not supported yet: model.optim.name=<x>`` for NeMo names without an implementation yet;
-            ``unknown optimizer`` for other names; a setting the optimizer cannot honour; no trainable params.
+        ValueError: ``unknown optimizer`` for a name outside :data:`OPTIMIZER_NAMES`; a setting the optimizer
+            cannot honour; no trainable params.
     """
     name = optim_cfg.name
     if name not in OPTIMIZER_BUILDERS:
-        if name in OPTIMIZERS:
-            raise ValueError(f"not supported yet: model.optim.name={name}; implemented: "
-                             f"{', '.join(OPTIMIZER_BUILDERS)}")
         raise ValueError(f"model.optim.name: unknown optimizer {name!r}; choose one of "
                          f"{', '.join(OPTIMIZER_BUILDERS)}")
     if optim_cfg.lr < 0 or optim_cfg.weight_decay < 0:

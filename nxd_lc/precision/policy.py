@@ -36,6 +36,9 @@ import torch
 
 from nxd_lc.config.schema import NxdConfig
 
+#: NxDT's ``precision.type`` values (``mixed_precision_SR`` is read as ``mixed_precisionSR``).
+PRECISION_TYPES = ("bf16SR", "fp32", "autocast", "mixed_precision", "mixed_precisionSR", "manual")
+
 #: ``precision.parallel_layers_reduce_dtype`` spellings -> dtype.
 REDUCE_DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "float32": torch.float32,
                                          "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
@@ -100,7 +103,7 @@ def reduce_dtype(name: Optional[str]) -> torch.dtype:
 
 def resolve_precision(cfg: NxdConfig) -> PrecisionPolicy:
     """The :class:`PrecisionPolicy` of ``cfg.precision`` (type already canonical: ``mixed_precision_SR`` is read
-    as ``mixed_precisionSR`` by :func:`nxd_lc.config.validate.load_config`).
+    as ``mixed_precisionSR`` by :func:`nxd_lc.config.structure.typed_config`).
 
     Raises:
         ValueError: an unknown ``precision.type`` or ``parallel_layers_reduce_dtype``.
@@ -130,8 +133,7 @@ def resolve_precision(cfg: NxdConfig) -> PrecisionPolicy:
             fp32_grad_acc=bool(p.fp32_grad_acc) and low,
             stochastic_rounding=low and str(p.neuron_rt_stochastic_rounding_en) == "1",
             optim_state_dtype=fp32 if (master or fp32_state_optim or not low) else bf16, **common)
-    raise ValueError(f"precision.type: {p.type!r} is not one of bf16SR, fp32, autocast, mixed_precision, "
-                     "mixed_precisionSR, manual")
+    raise ValueError(f"precision.type: {p.type!r} is not one of {', '.join(PRECISION_TYPES)}")
 
 
 def apply_precision(model: torch.nn.Module, policy: PrecisionPolicy) -> torch.nn.Module:

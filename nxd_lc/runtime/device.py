@@ -30,10 +30,13 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from nxd_lc.config.validate import ConfigError
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.distributed import collectives
 from nxd_lc.runtime import accel
 from nxd_lc.runtime import xla as xla_runtime
+
+#: ``trainer.accelerator`` values (:func:`resolve_accelerator`).
+ACCELERATORS = ("auto", "cpu", "gpu", "xla", "neuron")
 
 
 @dataclass(frozen=True)

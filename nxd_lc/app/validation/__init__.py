@@ -1,0 +1,89 @@
+"""Whole-config validation: turn a raw Hydra/OmegaConf config into a validated :class:`NxdConfig`.
+
+All problems are collected and raised together in one :class:`~nxd_lc.config.errors.ConfigError` (a
+``ValueError``), each line naming the dotted key and the fix. Order of checks: the structural ones of the config
+core (:func:`nxd_lc.config.structure.typed_config`: interpolation -> key aliases -> unknown keys ("did you
+mean") -> per-key types), then the cross-field rules, grouped by domain in this package (:mod:`.parallel`,
+:mod:`.model`, :mod:`.data`, :mod:`.training`) and calling each package's own rules (precision, MoE, Megatron,
+tokenizer, pipeline split, ...). Features accepted by the schema but not implemented are reported by
+:func:`unsupported_features` ("not supported yet: <key>"), which the trainer raises at launch and the dry run
+prints.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from omegaconf import DictConfig
+
+from nxd_lc.app.validation.data import (
+    batch_problems,
+    curriculum_problems,
+    data_source_problems,
+    data_unsupported,
+    mixture_problems,
+    path_problems,
+)
+from nxd_lc.app.validation.model import family_problems, megatron_source_problems, memory_problems, moe_layout_problems
+from nxd_lc.app.validation.parallel import (
+    auto_ring_on_xla,
+    context_parallel_problems,
+    head_problems,
+    parallel_problems,
+    pipeline_problems,
+)
+from nxd_lc.app.validation.training import checkpoint_problems, choice_problems, trainer_problems
+from nxd_lc.config.errors import ConfigError
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.config.structure import typed_config
+from nxd_lc.models.config_json import read_model_json
+from nxd_lc.precision.rules import log_precision_overrides
+
+__all__ = ["check_supported", "cross_field_problems", "load_config", "path_problems", "unsupported_features"]
+
+
+def load_config(raw: DictConfig | Mapping[str, Any], world_size: int | None = None,
+                check_paths: bool = False) -> NxdConfig:
+    """Validate ``raw`` and return the typed config.
+
+    Args:
+        raw: the composed Hydra config (or a plain nested dict).
+        world_size: the launched world size; when given it must equal ``trainer.devices * trainer.num_nodes``.
+        check_paths: also require data paths and ``resume_from_checkpoint`` to exist (true at launch).
+
+    Raises:
+        ConfigError: with every problem found, each naming its dotted key.
+    """
+    cfg = typed_config(raw)
+    problems = cross_field_problems(cfg, world_size)
+    if check_paths:
+        problems.extend(path_problems(cfg))
+    if problems:
+        raise ConfigError(problems)
+    log_precision_overrides(cfg)
+    return cfg
+
+
+def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
+    """All cross-field rule violations of a typed config (empty when valid)."""
+    hf = read_model_json(cfg)  # read once; both head and CP rules need it
+    return (parallel_problems(cfg, world_size) + trainer_problems(cfg) + batch_problems(cfg)
+            + head_problems(cfg, hf) + context_parallel_problems(cfg, hf) + memory_problems(cfg)
+            + choice_problems(cfg) + pipeline_problems(cfg, hf)
+            + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
+            + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
+            + family_problems(cfg, hf))
+
+
+def unsupported_features(cfg: NxdConfig) -> list[str]:
+    """Keys set to values whose feature is not implemented: ``not supported yet: <key>=<value>`` (every optimizer
+    and scheduler name of the schema is implemented; what remains is the accelerator-dependent layout and the
+    data keys)."""
+    return auto_ring_on_xla(cfg) + data_unsupported(cfg)
+
+
+def check_supported(cfg: NxdConfig) -> None:
+    """Raise :class:`ConfigError` listing every key whose feature is not implemented yet."""
+    problems = unsupported_features(cfg)
+    if problems:
+        raise ConfigError(problems)

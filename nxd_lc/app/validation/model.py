@@ -1,0 +1,104 @@
+"""Cross-field rules of the model: memory techniques and RoPE overrides, decoder-family parts, the Megatron
+source keys, mixture of experts."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from nxd_lc.config.access import data_parallel_size, model_seq_length
+from nxd_lc.config.schema import CHECKPOINT_METHODS, NxdConfig, checkpoint_method_problems
+from nxd_lc.models.common.rope import rope_scaling_problems
+from nxd_lc.models.megatron import MEGATRON_KEYS, megatron_problems
+from nxd_lc.moe.config import expert_parallel_problems, moe_problems
+
+
+def memory_problems(cfg: NxdConfig) -> list[str]:
+    p: list[str] = []
+    m = cfg.model
+    overrides = m.hf_config_overrides or {}
+    if not isinstance(overrides, Mapping):
+        p.append("model.hf_config_overrides: must be a mapping of config.json keys to values")
+    elif isinstance(overrides.get("rope_scaling"), Mapping):
+        rs = dict(overrides["rope_scaling"])
+        orig, s = rs.get("original_max_position_embeddings"), model_seq_length(cfg)
+        if rs.get("rope_type") == "yarn" and isinstance(orig, int) and s is not None and s <= orig:
+            # a no-op (unscaled RoPE, with a warning at build time): a ${div:seq,orig} factor < 1 is fine
+            rs["factor"] = max(1.0, float(rs.get("factor") or 1.0))
+        p.extend(rope_scaling_problems(rs))
+    for key in ("tiled_loss_chunk_size", "tiled_mlp_chunk_size"):
+        v = getattr(m, key)
+        if v is not None and v < 1:
+            p.append(f"model.{key}: must be >= 1 tokens (or null to disable), got {v}")
+    if m.activations_checkpoint_granularity == "selective" and not m.activations_checkpoint_recompute:
+        p.append("model.activations_checkpoint_recompute: 'selective' granularity needs module names to "
+                 "recompute, e.g. [CoreAttention]")
+    if m.activations_checkpoint_save_attention and m.activations_checkpoint_granularity is None:
+        p.append("model.activations_checkpoint_save_attention: true keeps attention outputs inside checkpointed "
+                 "modules, but model.activations_checkpoint_granularity is null (nothing is checkpointed); set "
+                 "the granularity to full (or selective) or the key to false")
+    if m.activations_checkpoint_method in CHECKPOINT_METHODS:
+        p.extend(checkpoint_method_problems(m.activations_checkpoint_granularity, m.activations_checkpoint_method,
+                                            m.activations_checkpoint_num_layers))
+    if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
+        p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
+                 "weights initialise this run)")
+    return p
+
+
+def family_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
+    """Decoder-family parts not supported yet: sliding-window attention shorter than the sequence (mistral's
+    ``sliding_window``, qwen2 / qwen3 ``use_sliding_window``, Megatron ``sliding_window_size``) with context
+    parallelism (the ring / Ulysses kernels have no window); attention dropout (a config.json's, or Megatron's
+    ``attention_dropout``) with context or pipeline parallelism (shared masks) or with ``model.compile`` (its
+    per-rank seed is a host read)."""
+    if hf is None:
+        return []
+    kind, p, ds = hf.get("model_type", "llama"), [], cfg.distributed_strategy
+    window = hf.get("sliding_window") if kind == "mistral" or (
+        kind in ("qwen2", "qwen3") and hf.get("use_sliding_window")) else None
+    seq = model_seq_length(cfg)
+    source = "model.sliding_window_size" if cfg.model_source == "megatron" else f"sliding_window of {kind} config.json"
+    if window and ds.context_parallel_size > 1 and (seq is None or window < seq):
+        p.append(f"not supported yet: sliding-window attention ({source} {window} < sequence {seq}) with "
+                 "distributed_strategy.context_parallel_size > 1; set context_parallel_size: 1")
+    dropout = float(hf.get("attention_dropout") or 0.0)
+    key = "model.attention_dropout" if cfg.model_source == "megatron" else f"attention_dropout of {kind} config.json"
+    if dropout > 0 and cfg.model_source != "megatron" and (ds.context_parallel_size > 1
+                                                           or ds.pipeline_model_parallel_size > 1):
+        p.append(f"not supported yet: attention dropout ({key} {dropout}) with context_parallel_size > 1 or "
+                 "pipeline_model_parallel_size > 1; set it to 0")  # megatron: megatron_problems covers every dropout
+    if dropout > 0 and cfg.model.compile:
+        p.append(f"not supported yet: attention dropout ({key} {dropout}) with model.compile; set one of them off")
+    return p
+
+
+def megatron_source_problems(cfg: NxdConfig) -> list[str]:
+    """The ``model_source: megatron`` architecture keys (:func:`nxd_lc.models.megatron.megatron_problems`), and
+    dropout (those keys', or an HF config.json's attention_dropout) with pipeline or context parallelism."""
+    p = megatron_problems(cfg.model, cfg.model_source)
+    tok = cfg.data.tokenizer
+    if cfg.model_source == "megatron" and (cfg.model.position_embedding_type or MEGATRON_KEYS[
+            "position_embedding_type"]) != "rope":
+        for i, stage in enumerate(cfg.data.curriculum or []):
+            if isinstance(stage, Mapping) and stage.get("rope_scaling") is not None:
+                p.append(f"data.curriculum[{i}].rope_scaling: the model has learned absolute positions "
+                         "(model.position_embedding_type), no RoPE to scale; remove it")
+    if cfg.model_source == "megatron" and tok.type == "bytelevel_bpe" and tok.library is None:
+        p.append("data.tokenizer.type: bytelevel_bpe is trained from the corpus at data setup, but model_source: "
+                 "megatron sizes its vocabulary from the tokenizer before; give an HF tokenizer directory or GPT-2 "
+                 "vocab_file / merge_file (library: megatron, type: GPT2BPETokenizer)")
+    ds = cfg.distributed_strategy
+    if cfg.model_source == "megatron" and (ds.pipeline_model_parallel_size > 1 or ds.context_parallel_size > 1):
+        for key in ("hidden_dropout", "attention_dropout", "ffn_dropout"):
+            value = getattr(cfg.model, key)
+            if (MEGATRON_KEYS[key] if value is None else value) > 0:
+                p.append(f"not supported yet: model.{key} > 0 with pipeline_model_parallel_size > 1 or "
+                         "context_parallel_size > 1 (every stage / CP rank would draw the same dropout masks); "
+                         f"set model.{key}: 0")
+    return p
+
+
+def moe_layout_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
+    """``model.moe`` and ``distributed_strategy.expert_model_parallel_size`` (:mod:`nxd_lc.moe.config`)."""
+    return moe_problems(cfg, hf) + expert_parallel_problems(cfg, hf, data_parallel_size(cfg))
