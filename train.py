@@ -12,8 +12,8 @@ import sys
 
 import hydra
 
+from nxd_lc.app.run import hydra_defaults, hydra_task
 from nxd_lc.config.schema import register_configs
-from nxd_lc.train import hydra_defaults, hydra_task
 
 if __name__ == "__main__":
     register_configs()  # `defaults: [nxd_lc_schema, _self_]` in a YAML makes Hydra type-check it too

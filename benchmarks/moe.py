@@ -65,9 +65,10 @@ def _worker(rank: int, world: int, port: int, out_dir: str, args: dict[str, Any]
     from nxd_lc.config.schema import OptimConfig
     from nxd_lc.distributed import grads
     from nxd_lc.distributed import parallel_state as ps
-    from nxd_lc.models.llama.model import build_llama_config
-    from nxd_lc.models.mixtral import MixtralForCausalLM, MoEOptions
+    from nxd_lc.models.hf_config import build_llama_config
+    from nxd_lc.models.mixtral import MixtralForCausalLM
     from nxd_lc.moe import layer as moe_layer
+    from nxd_lc.moe.config import MoEOptions
     from nxd_lc.optim import build_optimizer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))

@@ -50,8 +50,9 @@ def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True
     """
     from nxd_lc.config.schema import ModelConfig
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
+    from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
-    from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
+    from nxd_lc.models.llama.model import LlamaForCausalLM
 
     merged = {**NXD_BEST, **opts}
     valid = {f.name for f in dataclasses.fields(ModelConfig)} | {"flash_attention"}

@@ -10,11 +10,12 @@ Run from the repository root::
 
 **What runs.** One launch = ``N = 4`` gloo processes on this machine (one node, ``trainer.devices: 4``, TP = 4, one
 torch thread each), each running training's start-up path up to the built model, in training's order
-(:func:`nxd_lc.train._fit`): typed config (:func:`nxd_lc.app.validation.load_config` over
+(:func:`nxd_lc.app.run._fit`): typed config (:func:`nxd_lc.app.validation.load_config` over
 ``conf/cpu_tiny_llama_config.yaml`` with the overrides of :func:`raw_config`), ``init_distributed``,
 ``parallel_state.initialize_model_parallel``, ``seed_everything``, then
-``run_in_waves(build, factor, local_rank, LOCAL_WORLD_SIZE)`` (:mod:`nxd_lc.runtime.startup`) where ``build`` is
-:func:`nxd_lc.train.build_model` followed by ``model.to(runtime.device)``, as ``nxd_lc.train._build_and_move`` does.
+``run_in_waves(build, factor, local_rank, LOCAL_WORLD_SIZE)`` (:mod:`nxd_lc.distributed.startup`) where ``build``
+is :func:`nxd_lc.app.build.build_model` followed by ``model.to(runtime.device)``, as
+``nxd_lc.app.run._build_and_move`` does.
 A barrier just before ``run_in_waves`` starts every rank's build together; a barrier after it marks the node ready.
 
 **Model** (:data:`STARTUP_MODEL`): Llama-3.2-1B's architecture (vocab 128256, hidden 2048, intermediate 8192,
@@ -141,12 +142,12 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     torch.set_num_threads(1)
     import pytorch_lightning as pl
 
+    from nxd_lc.app.build import build_model
     from nxd_lc.app.validation import load_config
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.distributed.startup import run_in_waves, wave_of
     from nxd_lc.runtime.device import init_distributed, resolve_accelerator
-    from nxd_lc.runtime.startup import run_in_waves, wave_of
-    from nxd_lc.train import build_model
 
     factor = None if args.factor == "none" else int(args.factor)
     cfg = load_config(raw_config(args.model_config, factor, args.num_layers or None), world_size=NUM_RANKS)
@@ -158,7 +159,7 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
     pl.seed_everything(cfg.seed, workers=True)
     stamps: dict[str, float] = {}
 
-    def build() -> tuple[Any, Any]:  # nxd_lc.train._build_and_move's build
+    def build() -> tuple[Any, Any]:  # nxd_lc.app.run._build_and_move's build
         stamps["build_start"] = time.time()
         hf_config, model = build_model(cfg)
         moved = model.to(runtime.device)

@@ -129,14 +129,14 @@ def test_ring_context_parallelism_follows_the_neuron_resolution(monkeypatch: pyt
 
 
 def test_process_group_backend_comes_from_torch_registry(monkeypatch: pytest.MonkeyPatch) -> None:
-    from nxd_lc.distributed import collectives
+    from nxd_lc.runtime.device import default_backend
 
     registry = {"cpu": "gloo", "cuda": "nccl", "neuron": "neuron"}  # what torch_neuronx's import registers
     monkeypatch.setattr(torch.distributed.Backend, "default_device_backend_map", registry)
-    assert collectives.default_backend("neuron") == "neuron"
-    assert collectives.default_backend("cuda") == "nccl" and collectives.default_backend("cpu") == "gloo"
+    assert default_backend("neuron") == "neuron"
+    assert default_backend("cuda") == "nccl" and default_backend("cpu") == "gloo"
     with pytest.raises(ValueError, match="unsupported device type 'tpu'"):
-        collectives.default_backend("tpu")
+        default_backend("tpu")
 
 
 def test_accelerator_device_selects_the_local_rank(monkeypatch: pytest.MonkeyPatch, neuron_device_type: str) -> None:

@@ -38,7 +38,7 @@ from nxd_lc.data.alignment_packing import (
 )
 from nxd_lc.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 # SmolLM2-style ChatML: a default system turn when the conversation has none.
 CHATML = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -15,7 +15,7 @@ from nxd_lc.alignment import (
     uses_length_normalised_log_probs,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _log_sigmoid(x: float) -> float:

@@ -32,7 +32,7 @@ from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.layers.lora import apply_lora, lora_modules
 from nxd_lc.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 SEQ, MICRO, VOCAB, ATOL = 48, 2, 512, 1e-5
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"

@@ -14,12 +14,12 @@ import torch
 from omegaconf import OmegaConf
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
+from nxd_lc.app.build import build_model
 from nxd_lc.app.validation import load_config
 from nxd_lc.config.access import seq_length
 from nxd_lc.config.resolvers import register_resolvers
-from nxd_lc.train import build_model
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _yarn_cfg(seq: int):

@@ -28,7 +28,7 @@ from nxd_lc.checkpoint import (
     save_xser,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 Point = collections.namedtuple("Point", ["x", "y"])

@@ -18,7 +18,7 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.lightning import exp_manager
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _cfg(**exp: object) -> NxdConfig:

@@ -14,9 +14,10 @@ from transformers import LlamaConfig
 from nxd_lc.checkpoint import sharded
 from nxd_lc.distributed import grads
 from nxd_lc.distributed import parallel_state as ps
-from nxd_lc.models.llama.model import LlamaForCausalLM, causal_lm_loss
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.llama.model import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _config() -> LlamaConfig:

@@ -19,7 +19,7 @@ from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.lightning.trainer import _backend_kwargs
 from nxd_lc.runtime.device import RuntimeInfo
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")

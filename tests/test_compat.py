@@ -1,7 +1,7 @@
 """torch-version compatibility (lane 2 runs the ``compat`` subset under torch 2.9 + torch-xla): every module of
 nxd_lc imports under the running torch, so an API newer than the oldest supported torch used at import time fails
 here, not on a user's Trainium host. The behaviour of each module on torch 2.9 is exercised by the other tests
-marked ``compat`` (see the README's Tests section)."""
+marked ``compat`` (see docs/testing.md)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.resolvers import div, multiply, register_resolvers
 from nxd_lc.config.schema import NxdConfig, register_configs
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = Path(__file__).resolve().parents[1]
 CONF_DIR = REPO / "conf"

@@ -14,7 +14,7 @@ import pytest
 from nxd_lc.app.validation import load_config
 from nxd_lc.config.errors import ConfigError
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")  # 8 heads, 4 KV heads, 4096 positions

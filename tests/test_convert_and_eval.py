@@ -1,4 +1,5 @@
-"""Checkpoint -> HF conversion (nxd_lc.checkpoint.convert) and loss by position (nxd_lc.eval.loss_by_position).
+"""Checkpoint -> HF conversion (nxd_lc.app.convert, nxd_lc.cli.convert) and loss by position
+(nxd_lc.eval.loss_by_position).
 
 * A tiny Llama (vocab 97 -> padded to 98 at TP 2) is saved as an NxD xser checkpoint at TP=2 + sequence
   parallel by 2 gloo processes, converted there to an HF directory, and transformers' LlamaForCausalLM loaded
@@ -24,8 +25,10 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.app import convert
 from nxd_lc.app.validation import load_config
-from nxd_lc.checkpoint import convert, sharded
+from nxd_lc.checkpoint import model_shards, sharded
+from nxd_lc.cli import convert as convert_cli
 from nxd_lc.data.packing import packed_document_ids
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
@@ -117,10 +120,10 @@ def converted(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_tp2_checkpoint_converts_to_hf_with_equal_logits(converted: Path) -> None:
     hf = converted / "hf"
     names = sorted(os.listdir(hf))
-    assert {"config.json", "model.safetensors", "tokenizer.json", convert.PROVENANCE_FILE} <= set(names)
+    assert {"config.json", "model.safetensors", "tokenizer.json", model_shards.PROVENANCE_FILE} <= set(names)
     assert not [n for n in os.listdir(converted) if n.startswith(".hf.partial")]  # staging dir renamed away
     assert json.loads((hf / "config.json").read_text())["vocab_size"] == VOCAB  # padding cut back
-    record = json.loads((hf / convert.PROVENANCE_FILE).read_text())
+    record = json.loads((hf / model_shards.PROVENANCE_FILE).read_text())
     assert record["step"] == 3 and record["tensor_model_parallel_size"] == 2
     ours = torch.load(converted / "ours.pt")
     theirs = _hf_logits(hf)
@@ -129,7 +132,7 @@ def test_tp2_checkpoint_converts_to_hf_with_equal_logits(converted: Path) -> Non
 
 
 def test_boolean_flags_parse_strictly() -> None:
-    parse = convert.build_arg_parser().parse_args
+    parse = convert_cli.build_arg_parser().parse_args
     base = ["--config-name", "x", "--checkpoint", "c", "--output", "o"]
     a = parse(base)
     assert (a.overwrite, a.save_tokenizer, a.load_xser) == (False, True, None)
@@ -138,7 +141,7 @@ def test_boolean_flags_parse_strictly() -> None:
     a = parse([*base, "--overwrite=false", "--save-tokenizer=0", "--load-xser", "auto", "k=v"])
     assert (a.overwrite, a.save_tokenizer, a.load_xser, a.overrides) == (False, False, None, ["k=v"])
     for text, value in [("YES", True), ("on", True), ("1", True), ("no", False), ("Off", False)]:
-        assert convert.parse_bool(text) is value
+        assert convert_cli.parse_bool(text) is value
     with pytest.raises(SystemExit):
         parse([*base, "--overwrite", "maybe"])
 
@@ -150,7 +153,7 @@ def test_cli_reports_bad_checkpoints_before_starting(converted: Path, capsys: py
     def run(checkpoint: Path, *extra: str) -> str:
         argv = ["--config-name", "tiny", "--config-dir", conf, "--checkpoint", str(checkpoint),
                 "--output", str(converted / "unused"), *extra]
-        assert convert.main(argv) == 2
+        assert convert_cli.main(argv) == 2
         return capsys.readouterr().err
 
     assert "does not exist" in run(ckpt / "step=9") and TAG in run(ckpt / "step=9")
@@ -172,19 +175,19 @@ def test_incomplete_checkpoint_and_missing_shard(tmp_path: Path) -> None:
     (tag_dir / "model").mkdir(parents=True)
     (tag_dir / "model" / "dp_rank_00_tp_rank_01_pp_rank_00.pt").write_bytes(b"")
     with pytest.raises(FileNotFoundError, match="no 'done' marker"):
-        convert.resolve_checkpoint(str(tag_dir))
+        model_shards.resolve_checkpoint(str(tag_dir))
     (tag_dir / "done").write_text("1")
-    assert convert.resolve_checkpoint(str(tag_dir)) == (str(tmp_path), "t")
+    assert model_shards.resolve_checkpoint(str(tag_dir)) == (str(tmp_path), "t")
     with pytest.raises(FileNotFoundError, match=r"\(TP rank, PP rank\) \[\(0, 0\)\]"):
-        convert.checkpoint_tp_size(str(tag_dir))
+        model_shards.checkpoint_tp_size(str(tag_dir))
     with pytest.raises(FileNotFoundError, match="neither a checkpoint"):
-        convert.resolve_checkpoint(str(tmp_path / "t" / "model"))
-    convert._check_output(str(tmp_path / "new"), overwrite=False)  # missing: fine
+        model_shards.resolve_checkpoint(str(tmp_path / "t" / "model"))
+    model_shards.check_output(str(tmp_path / "new"), overwrite=False)  # missing: fine
     with pytest.raises(ValueError, match="--overwrite true"):
-        convert._check_output(str(tmp_path), overwrite=False)
-    convert._check_output(str(tmp_path), overwrite=True)
+        model_shards.check_output(str(tmp_path), overwrite=False)
+    model_shards.check_output(str(tmp_path), overwrite=True)
     with pytest.raises(ValueError, match="is a file"):
-        convert._check_output(str(tag_dir / "done"), overwrite=True)
+        model_shards.check_output(str(tag_dir / "done"), overwrite=True)
 
 
 @pytest.mark.slow
@@ -192,7 +195,7 @@ def test_incomplete_checkpoint_and_missing_shard(tmp_path: Path) -> None:
 def test_cli_under_torchrun(converted: Path) -> None:
     out = converted / "hf_cli"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "-m", "nxd_lc.checkpoint.convert", "--config-name", "tiny", "--config-dir", str(converted / "conf"),
+           "-m", "nxd_lc.cli.convert", "--config-name", "tiny", "--config-dir", str(converted / "conf"),
            "--checkpoint", str(converted / "ckpt" / TAG), "--output", str(out), "--save-tokenizer", "false"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=180)
@@ -296,7 +299,7 @@ def test_loss_by_position_under_context_parallelism(converted: Path) -> None:
 @pytest.mark.compat
 def test_yarn_continuation_config_is_valid() -> None:
     from nxd_lc.models.common.rope import rope_spec_from_config
-    from nxd_lc.models.llama.model import build_llama_config
+    from nxd_lc.models.hf_config import build_llama_config
 
     cfg = convert.compose_run_config("cpu_tiny_llama_yarn_config", str(REPO / "conf"))
     ds, rope = cfg.distributed_strategy, cfg.model.hf_config_overrides["rope_scaling"]
@@ -346,11 +349,11 @@ def test_tp1_yarn_checkpoint_converts_in_process(tmp_path: Path) -> None:
 def _round_trip_worker(rank: int, world: int, tmp: str, xser: bool) -> None:
     t = Path(tmp)
     conf = ["--config-name", "tiny", "--config-dir", str(t / "conf")]
-    assert convert.main(conf + ["--convert_from_full_state", "true", "--input_dir", str(t / "hf"), "--output_dir",
+    assert convert_cli.main(conf + ["--convert_from_full_state", "true", "--input_dir", str(t / "hf"), "--output_dir",
                                 str(t / "ck"), "--tp_size", "2", "--pp_size", "2", "--save_xser", str(xser).lower(),
                                 "--kv_size_multiplier", "1", "--fuse_qkv", "true", "--qkv_linear", "true"]) == 0
     collectives.barrier()
-    assert convert.main(conf + ["--convert_to_full_state", "--input_dir", str(t / "ck" / "step=0"), "--output_dir",
+    assert convert_cli.main(conf + ["--convert_to_full_state", "--input_dir", str(t / "ck" / "step=0"), "--output_dir",
                                 str(t / "hf2"), "--tp_size", "2", "--pp_size", "2", "--save_tokenizer", "false",
                                 "--load_xser", str(xser).lower(), "++trainer.devices=4",
                                 "++exp_manager.checkpoint_callback_params.model_parallel_size=4"]) == 0
@@ -390,7 +393,7 @@ def test_converter_direction_and_tp_size_flags_are_checked(capsys: pytest.Captur
                            (["--convert_to_full_state", "false"], "needs --convert_from_full_state true"),
                            (["--tp_size", "4"], "--tp_size 4: launch one process per TP rank")):
         with pytest.raises(SystemExit) as e:
-            convert.main(base + extra)
+            convert_cli.main(base + extra)
         assert e.value.code == 2 and message in capsys.readouterr().err
-    args = convert.build_arg_parser().parse_args(base + ["--save_xser", "False", "--fuse_qkv", "no"])
+    args = convert_cli.build_arg_parser().parse_args(base + ["--save_xser", "False", "--fuse_qkv", "no"])
     assert args.save_xser is False and args.fuse_qkv is False  # not NxDT's type=bool (where "False" is True)

@@ -26,7 +26,7 @@ from nxd_lc.data.curriculum import (
 )
 from nxd_lc.data.datamodule import PretrainingDataModule
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 # DP 2, global batch 8 with micro batch 4 -> 1 micro-batch per step; stages of micro batch 4, 2, 1
 STAGES = [{"until_step": 3, "seq_length": 8}, {"until_step": 5, "seq_length": 16, "micro_batch_size": 2},

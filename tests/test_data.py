@@ -18,7 +18,7 @@ from nxd_lc.data import corpus, packing, sources, tokenizer
 from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.sampler import PretrainingSampler
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 WORDS = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota", "kappa", "lambda", "mu"]
 

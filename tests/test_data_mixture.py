@@ -17,7 +17,7 @@ from nxd_lc.data.sampler import PretrainingSampler
 from nxd_lc.data.synthetic import synthetic_rows
 from nxd_lc.data.tokenizer import train_bytelevel_bpe
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def test_blend_schedule_proportions_and_wrap() -> None:

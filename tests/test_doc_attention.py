@@ -21,14 +21,16 @@ from torch.utils._pytree import tree_leaves
 from transformers import LlamaConfig
 
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
+from nxd_lc.context.attention import core_attention
+from nxd_lc.context.local import document_lengths
 from nxd_lc.data.datamodule import PretrainingDataModule, collate_packed
 from nxd_lc.data.packing import pack_token_stream, packed_document_ids
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
-from nxd_lc.models.common.attention import core_attention, document_lengths
-from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 EOS, VOCAB, S = 0, 96, 16
 ATOL = 1e-5

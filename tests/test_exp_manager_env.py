@@ -14,7 +14,7 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.lightning import exp_manager
 from nxd_lc.runtime.env import apply_env, format_env_table
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _cfg(**exp: object) -> NxdConfig:

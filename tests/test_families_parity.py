@@ -33,7 +33,9 @@ from transformers import (
 
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
-from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, causal_lm_loss, load_hf_weights
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.hf_config import build_llama_config
+from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
 from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
 VOCAB, B, S = 97, 2, 12
@@ -193,8 +195,8 @@ def test_checkpoint_converters_round_trip_each_family(setup: dict, family: str, 
     transformers reads the result and its weights equal the original HF model's."""
     from transformers import AutoModelForCausalLM
 
+    from nxd_lc.app import convert
     from nxd_lc.app.validation import load_config
-    from nxd_lc.checkpoint import convert
 
     fam = setup["families"][family]
     cfg = load_config({"trainer": {"devices": 1}, "data": {"micro_batch_size": 1, "global_batch_size": 1},

@@ -19,7 +19,7 @@ from nxd_lc.distributed import collectives, grads, parallel_state
 from nxd_lc.distributed.grads import gradient_bucket_size_mb
 from nxd_lc.lightning.module import NxDLanguageModel
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 NUM_PARAMS = 4
 IN, OUT = 256, 512  # each weight gradient: 256 * 512 fp32 = 0.5 MiB; 2 MiB in all

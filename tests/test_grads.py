@@ -23,7 +23,7 @@ from nxd_lc.layers import (
     shard_full_parameter,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 H = 8
 

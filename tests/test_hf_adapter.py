@@ -14,16 +14,16 @@ from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.models.hf_config import build_llama_config
 from nxd_lc.models.llama import (
     LlamaForCausalLM,
-    build_llama_config,
     export_hf_state_dict,
     hf_adapter,
     load_hf_weights,
     save_hf_weights,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 CONF = Path(__file__).resolve().parents[1] / "conf"
 

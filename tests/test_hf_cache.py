@@ -15,13 +15,13 @@ from omegaconf import OmegaConf
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.app.build import build_model
 from nxd_lc.app.validation import load_config
 from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.models.llama import hf_cache
-from nxd_lc.train import build_model
 from tests.dist_utils import run_distributed
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 MODEL = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 97, "hidden_size": 32,
          "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,

@@ -26,7 +26,7 @@ from nxd_lc.layers import (
     validate_gqa_sharding,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 B, S, H = 2, 4, 8
 close = torch.testing.assert_close

@@ -17,12 +17,14 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
+from nxd_lc.context.attention import core_attention
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_kv_replica_gradients, allreduce_sequence_parallel_gradients
 from nxd_lc.layers import merge_tensor_shards
-from nxd_lc.models.common.attention import core_attention
+from nxd_lc.models.common.loss import causal_lm_loss
 from nxd_lc.models.common.rope import RotaryEmbedding, rope_spec_from_config
-from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, causal_lm_loss, load_hf_weights
+from nxd_lc.models.hf_config import build_llama_config
+from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
 
 VOCAB, B, S = 97, 2, 8
 ATOL = 2e-5

@@ -30,9 +30,10 @@ from nxd_lc.layers.lora import (
     merge_lora,
 )
 from nxd_lc.models.common.checkpointing import apply_activation_checkpointing
-from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 VOCAB, B, S, STEPS, LR = 64, 2, 8, 3, 0.1
 ALL = list(LORA_TARGET_MODULES)

@@ -14,6 +14,7 @@ from dist_utils import run_distributed
 from transformers import LlamaConfig
 
 from nxd_lc.alignment.lora_files import load_adapters, save_adapters
+from nxd_lc.app.build import build_model
 from nxd_lc.app.validation import load_config
 from nxd_lc.config.access import peft_config
 from nxd_lc.config.errors import ConfigError
@@ -23,9 +24,8 @@ from nxd_lc.layers.lora import apply_lora, lora_modules, lora_state_dict
 from nxd_lc.lightning.trainer import _backend_kwargs
 from nxd_lc.models.llama.model import LlamaForCausalLM
 from nxd_lc.runtime.device import RuntimeInfo
-from nxd_lc.train import build_model
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_JSON = os.path.join(REPO, "conf", "tiny_llama_config.json")

@@ -28,7 +28,7 @@ from nxd_lc.data.megatron_dataset import (
 )
 from nxd_lc.data.tokenizer import load_tokenizer, tokenizer_vocab_size
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_JSON = str(REPO / "conf" / "tiny_llama_config.json")

@@ -32,7 +32,8 @@ from transformers import LlamaForCausalLM as HFLlama
 from nxd_lc.config.schema import ModelConfig
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.grads import allreduce_sequence_parallel_gradients
-from nxd_lc.models.llama import LlamaForCausalLM, causal_lm_loss, load_hf_weights
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
 from nxd_lc.models.llama.hf_adapter import export_hf_state_dict
 from nxd_lc.models.megatron import build_megatron_config, gpt2_state_dict_to_nxd_names, megatron_problems
 
@@ -299,7 +300,7 @@ def test_megatron_moe_keys_the_experts_cannot_take_are_refused() -> None:
 
 
 def test_learned_positions_go_to_the_first_pipeline_stage_in_converted_checkpoints() -> None:
-    from nxd_lc.checkpoint.convert import stage_state
+    from nxd_lc.checkpoint.model_shards import stage_state
 
     state = {"model.embed_tokens.weight": 0, "model.embed_positions.weight": 1, "model.layers.0.x": 2,
              "model.layers.1.x": 3, "model.norm.weight": 4, "model.lm_head.weight": 5}

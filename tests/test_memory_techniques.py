@@ -29,7 +29,7 @@ from nxd_lc.models.common.checkpointing import (
 from nxd_lc.models.common.mlp import LlamaMLP
 from nxd_lc.models.llama import LlamaForCausalLM
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 VOCAB, B, S = 97, 2, 16
 # (label, model_cfg overrides): every technique alone and all together

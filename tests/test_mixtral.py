@@ -16,7 +16,8 @@ from transformers import MixtralForCausalLM as HFMixtral
 
 from nxd_lc.distributed import parallel_state
 from nxd_lc.models.llama.hf_adapter import load_hf_weights
-from nxd_lc.models.mixtral import MixtralForCausalLM, MoEOptions
+from nxd_lc.models.mixtral import MixtralForCausalLM
+from nxd_lc.moe.config import MoEOptions
 
 COEF = 0.05
 

@@ -77,9 +77,9 @@ def test_moe_options_follow_nxdt_dispatch_rules() -> None:
 
 @pytest.mark.compat
 def test_build_model_reads_mixtral_and_moe_overrides_config_json() -> None:
+    from nxd_lc.app.build import build_model
     from nxd_lc.models.mixtral import MixtralForCausalLM
     from nxd_lc.moe.layer import MoE
-    from nxd_lc.train import build_model
 
     cfg = load_config(_raw(devices=1, moe={"num_experts": 4, "top_k": 1, "frequency": 2, "capacity_factor": 1.5,
                                            "output_router_logits": False}), world_size=1)
@@ -94,8 +94,8 @@ def test_build_model_reads_mixtral_and_moe_overrides_config_json() -> None:
 
 @pytest.mark.compat
 def test_router_weight_stays_fp32_in_bf16_modes() -> None:
+    from nxd_lc.app.build import build_model
     from nxd_lc.precision.policy import apply_precision, resolve_precision
-    from nxd_lc.train import build_model
 
     cfg = load_config({**_raw(devices=1), "precision": {"type": "mixed_precision"}}, world_size=1)
     _, model = build_model(cfg)
@@ -259,7 +259,7 @@ def test_tiny_mixtral_config_trains_at_ep2_and_resumes(tmp_path: Path) -> None:
     assert json.loads((last / "done").read_text())["step"] == 4
     # the EP 2 checkpoint converts to HF on 2 processes (one per EP rank); transformers reads every expert back
     out = tmp_path / "hf"
-    conv = _run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "nxd_lc.checkpoint.convert", "--config-name",
+    conv = _run([TORCHRUN, "--standalone", "--nproc_per_node=2", "-m", "nxd_lc.cli.convert", "--config-name",
                  "cpu_tiny_mixtral_config", "--checkpoint", str(last), "--output", str(out),
                  "--save-tokenizer", "false"])
     assert conv.returncode == 0, conv.stdout[-4000:] + conv.stderr[-4000:]

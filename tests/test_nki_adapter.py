@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from nxd_lc.models.common.nki import NkiKernels, flash_attention, load_nki_kernels, nki_flash_attention, resolve_lnc
+from nxd_lc.context.nki import NkiKernels, flash_attention, load_nki_kernels, nki_flash_attention, resolve_lnc
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 S = 2048  # the smallest sequence the kernel takes
 
@@ -173,7 +173,8 @@ def test_attention_dispatch_calls_the_kernel_on_the_xla_path(monkeypatch: pytest
                                                              transpose_nki_inputs: bool) -> None:
     """The XLA flash branch of the attention dispatch hands q/k/v to the (substitute) kernel in the layout
     ``model.transpose_nki_inputs`` selects and equals SDPA; packed batches fall back to masked SDPA."""
-    from nxd_lc.models.common import attention, nki
+    from nxd_lc.context import local as attention
+    from nxd_lc.context import nki
 
     calls: list[int] = []
     kernels = _kernels()

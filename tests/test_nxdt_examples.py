@@ -335,10 +335,10 @@ def test_weight_init_only_names_a_layout_mismatch(tmp_path: Path) -> None:
     SFT LoRA config above)."""
     from transformers import LlamaConfig
 
+    from nxd_lc.app.build import load_model_weights
     from nxd_lc.checkpoint import sharded
     from nxd_lc.layers.lora import is_lora_key
     from nxd_lc.models.llama import LlamaForCausalLM
-    from nxd_lc.train import load_model_weights
 
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2)

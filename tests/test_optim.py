@@ -28,7 +28,7 @@ from nxd_lc.optim import (
     step_lr,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 TINY_JSON = Path(__file__).resolve().parents[1] / "conf" / "tiny_llama_config.json"  # hidden 256
 

@@ -7,8 +7,9 @@ import torch
 from dist_utils import run_distributed
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.runtime.device import default_backend
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def test_rank_layout_tp2_cp2() -> None:
@@ -91,10 +92,10 @@ def test_without_torch_distributed_everything_is_world_size_one() -> None:
 
 
 def test_default_backend() -> None:
-    assert collectives.default_backend("cpu") == "gloo"
-    assert collectives.default_backend("cuda") == "nccl"
+    assert default_backend("cpu") == "gloo"
+    assert default_backend("cuda") == "nccl"
     with pytest.raises(ValueError, match="unsupported device type"):
-        collectives.default_backend("tpu")
+        default_backend("tpu")
 
 
 def _group_sum(group: object) -> int:

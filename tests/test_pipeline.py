@@ -27,7 +27,8 @@ from nxd_lc.distributed.grads import (
     allreduce_tied_embedding_gradients,
     global_grad_norm,
 )
-from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, load_hf_weights
+from nxd_lc.models.hf_config import build_llama_config
+from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
 from nxd_lc.pipeline import PipelineEngine, balanced_layer_counts, parse_pipeline_cuts, stage_layer_ranges
 
 VOCAB, S, MB, N_MB, LAYERS = 61, 8, 1, 4, 4

@@ -36,7 +36,8 @@ from nxd_lc.config.alignment_schema import DPOConfig, ModelAlignmentStrategyConf
 from nxd_lc.config.schema import DataConfig, NxdConfig
 from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule, collate_pairs
 from nxd_lc.distributed import parallel_state as ps
-from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, load_hf_weights
+from nxd_lc.models.hf_config import build_llama_config
+from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
 from nxd_lc.pipeline import stage_layer_ranges
 
 SEQ, VOCAB, LAYERS, N_MB, KL_BETA, ORPO_BETA = 48, 512, 4, 2, 0.5, 0.3

@@ -10,7 +10,7 @@ import pytest
 from nxd_lc.app.validation import load_config, unsupported_features
 from nxd_lc.config.errors import ConfigError
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = Path(__file__).resolve().parents[1]
 TINY_JSON = str(REPO / "conf" / "tiny_llama_config.json")  # 4 layers

@@ -40,7 +40,7 @@ def _metrics(out: subprocess.CompletedProcess) -> tuple[dict[int, tuple[float, .
 
 def _convert(conf_overrides: list[str], tag: str, out_dir: str, nproc: int) -> dict[str, torch.Tensor]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "nxd_lc.checkpoint.convert", "--config-name", "cpu_tiny_llama_config", "--checkpoint", tag,
+           "-m", "nxd_lc.cli.convert", "--config-name", "cpu_tiny_llama_config", "--checkpoint", tag,
            "--output", out_dir, "--save-tokenizer", "false", *conf_overrides]
     proc = subprocess.run(cmd, check=False, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=300)

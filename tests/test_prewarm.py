@@ -33,7 +33,7 @@ from nxd_lc.runtime.prewarm import (
     prewarm_steps,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

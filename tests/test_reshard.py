@@ -29,7 +29,7 @@ from nxd_lc.optim import NxDOptimizer, build_optimizer
 from nxd_lc.pipeline.split import rank_model_part
 from nxd_lc.precision.policy import resolve_precision
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 C, LR, B1, B2, EPS = 0.5, 1e-2, 0.9, 0.95, 1e-8
 LAYERS = 4

@@ -16,8 +16,10 @@ from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from tokenizers import decoders as tk_decoders
 from transformers import PreTrainedTokenizerFast
 
+from nxd_lc.data import retrieval_tasks as tasks
+from nxd_lc.data.retrieval_tasks import build_sample
 from nxd_lc.eval import retrieval
-from nxd_lc.eval.retrieval import build_sample, candidate_logprobs, evaluate_grid, score_sample
+from nxd_lc.eval.retrieval import candidate_logprobs, evaluate_grid, score_sample
 from tests.dist_utils import run_distributed
 
 
@@ -25,7 +27,7 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE (vocab 1000) trained on the task templates and a few stdlib files."""
     root = sysconfig.get_paths()["stdlib"]
     texts = [open(os.path.join(root, n)).read() for n in ("bisect.py", "heapq.py", "textwrap.py")]
-    texts += [retrieval.PASSKEY_INTRO, retrieval.PASSKEY_FILLER * 3, retrieval.NIAH_INTRO, retrieval.VT_INTRO]
+    texts += [tasks.PASSKEY_INTRO, tasks.PASSKEY_FILLER * 3, tasks.NIAH_INTRO, tasks.VT_INTRO]
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = tk_decoders.ByteLevel()
@@ -46,14 +48,14 @@ def hay(tok: PreTrainedTokenizerFast) -> list[int]:
 
 
 @pytest.mark.compat
-@pytest.mark.parametrize("task", retrieval.TASKS)
+@pytest.mark.parametrize("task", tasks.TASKS)
 def test_needle_placement_is_exact_at_every_depth(tok: Any, hay: list[int], task: str) -> None:
     enc = lambda t: tok.encode(t, add_special_tokens=False)  # noqa: E731
     for depth in (0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 1.0):
         s = build_sample(task, tok, hay, 400, depth, seed=3, index=1)
         assert len(s.input_ids) == 400
-        intro = enc({"passkey": retrieval.PASSKEY_INTRO, "variable_tracking": retrieval.VT_INTRO}.get(
-            task, retrieval.NIAH_INTRO))
+        intro = enc({"passkey": tasks.PASSKEY_INTRO, "variable_tracking": tasks.VT_INTRO}.get(
+            task, tasks.NIAH_INTRO))
         assert s.input_ids[:len(intro)] == intro
         needle_tokens = sum(b - a for a, b in s.needle_spans)
         text_ids = [t for i, t in enumerate(s.input_ids)
@@ -73,37 +75,37 @@ def test_needle_placement_is_exact_at_every_depth(tok: Any, hay: list[int], task
             assert any(joined[i:i + 20] == hay_part[:20] for i in range(len(hay)))
 
 
-def _question(task: str, s: retrieval.RetrievalSample, enc: Any) -> list[int]:
+def _question(task: str, s: tasks.RetrievalSample, enc: Any) -> list[int]:
     if task == "passkey":
-        return enc(retrieval.PASSKEY_QUESTION)
+        return enc(tasks.PASSKEY_QUESTION)
     if task == "variable_tracking":
         value = _vt_value(s)
-        return enc(retrieval.VT_QUESTION.format(value=value))
+        return enc(tasks.VT_QUESTION.format(value=value))
     key = _niah_key(task, s)
-    template = retrieval.NIAH_QUESTION_ALL if task == "niah_multivalue" else retrieval.NIAH_QUESTION
+    template = tasks.NIAH_QUESTION_ALL if task == "niah_multivalue" else tasks.NIAH_QUESTION
     return enc(template.format(key=key))
 
 
-def _decoded(s: retrieval.RetrievalSample) -> str:
+def _decoded(s: tasks.RetrievalSample) -> str:
     return _TOK.decode(s.input_ids)
 
 
-def _niah_key(task: str, s: retrieval.RetrievalSample) -> str:
+def _niah_key(task: str, s: tasks.RetrievalSample) -> str:
     text = _decoded(s)
     tail = text.rsplit("The special magic number", 1)[1]
     return tail.split(" for ", 1)[1].split(" ", 1)[0]
 
 
-def _vt_value(s: retrieval.RetrievalSample) -> str:
+def _vt_value(s: tasks.RetrievalSample) -> str:
     return _decoded(s).rsplit("assigned the value ", 1)[1].split(" ", 1)[0]
 
 
-def _primary_needle(task: str, s: retrieval.RetrievalSample) -> str:
+def _primary_needle(task: str, s: tasks.RetrievalSample) -> str:
     if task == "passkey":
-        return retrieval.PASSKEY_NEEDLE.format(key=s.answers[0])
+        return tasks.PASSKEY_NEEDLE.format(key=s.answers[0])
     if task == "variable_tracking":
-        return retrieval.VT_FIRST.format(var=s.answers[0], value=_vt_value(s))
-    return retrieval.NIAH_NEEDLE.format(key=_niah_key(task, s), value=s.answers[0])
+        return tasks.VT_FIRST.format(var=s.answers[0], value=_vt_value(s))
+    return tasks.NIAH_NEEDLE.format(key=_niah_key(task, s), value=s.answers[0])
 
 
 _TOK = _tokenizer()
@@ -244,8 +246,8 @@ def _hf_tiny() -> Any:
 def _layout_worker(rank: int, world: int, hf_dir: str, tp: int, cp: int, expected: dict[str, Any]) -> None:
     from nxd_lc.context import set_context_parallel_algo
     from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
-    from nxd_lc.models.llama.model import build_llama_config
 
     torch.set_num_threads(1)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp)
@@ -307,8 +309,8 @@ def test_kv_cache_generation_and_ranking_match_transformers(tmp_path: Any) -> No
     """One process: greedy decoding and candidate log-likelihoods with the KV cache (prompt once, one token or one
     candidate at a time, cache truncated between candidates) equal transformers' full forwards; the grid reports
     that it used the cache."""
+    from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
-    from nxd_lc.models.llama.model import build_llama_config
 
     hf = _hf_tiny()
     hf.save_pretrained(str(tmp_path))
@@ -378,7 +380,7 @@ def test_train_py_logs_retrieval_accuracy_during_training(tmp_path: Any) -> None
 
 @pytest.mark.slow
 def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
-    """python -m nxd_lc.eval.passkey / nxd_lc.eval.niah on a run config (one process): table, JSON, PNGs; bad
+    """python -m nxd_lc.cli.passkey / nxd_lc.cli.niah on a run config (one process): table, JSON, PNGs; bad
     arguments are errors that name the flag."""
     import subprocess
     import sys
@@ -413,7 +415,7 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
                "--hf-dir", str(tmp_path / "hf"), *extra]
         return subprocess.run(cmd, cwd=repo, env=env, capture_output=True, text=True, timeout=300, check=False)
 
-    out = cli("nxd_lc.eval.passkey", "--lengths", "300,400", "--depths", "0,1", "--num-samples", "1",
+    out = cli("nxd_lc.cli.passkey", "--lengths", "300,400", "--depths", "0,1", "--num-samples", "1",
               "--out", str(tmp_path / "pk"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "passkey  generate |" in out.stdout and "passkey      rank |" in out.stdout
@@ -422,15 +424,15 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     assert [(c["length"], c["depth"], c["n"]) for c in result["tasks"]["passkey"]["cells"]] == [
         (300, 0.0, 1), (300, 1.0, 1), (400, 0.0, 1), (400, 1.0, 1)]
     assert (tmp_path / "pk" / "passkey_heatmap.png").stat().st_size > 1000
-    out = cli("nxd_lc.eval.niah", "--tasks", "niah_multivalue,variable_tracking", "--lengths", "400",
+    out = cli("nxd_lc.cli.niah", "--tasks", "niah_multivalue,variable_tracking", "--lengths", "400",
               "--depths", "0.5", "--num-samples", "1", "--scoring", "rank", "--out", str(tmp_path / "niah"))
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads((tmp_path / "niah" / "retrieval.json").read_text())
     assert sorted(result["tasks"]) == ["niah_multivalue", "variable_tracking"]
     assert result["meta"]["scorings"] == ["rank"]
-    bad = cli("nxd_lc.eval.niah", "--tasks", "needle", "--out", str(tmp_path / "x"))
+    bad = cli("nxd_lc.cli.niah", "--tasks", "needle", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "--tasks: unknown ['needle']" in bad.stderr
-    bad = cli("nxd_lc.eval.passkey", "--depths", "0,2", "--out", str(tmp_path / "x"))
+    bad = cli("nxd_lc.cli.passkey", "--depths", "0,2", "--out", str(tmp_path / "x"))
     assert bad.returncode == 2 and "--depths: need numbers in [0, 1]" in bad.stderr
 
 

@@ -25,7 +25,7 @@ from nxd_lc.models.common.rope import (
     warn_if_rope_scaling_is_noop,
 )
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 # transformers, OmegaConf and the model are imported inside the tests: the spawned CP workers import this
 # module and need only torch + rope.py (importing transformers costs seconds per process on 2 cores).
@@ -247,7 +247,7 @@ def _write_config(tmp_path: Path, **fields: Any) -> Path:
 def test_config_json_rope_scaling_is_honoured(tmp_path: Path) -> None:
     from transformers import LlamaConfig
 
-    from nxd_lc.models.llama.model import build_llama_config
+    from nxd_lc.models.hf_config import build_llama_config
 
     scaling = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128}  # Qwen-style, HF defaults
     config = build_llama_config(str(_write_config(tmp_path, rope_scaling=scaling, rope_theta=5e5)))
@@ -266,7 +266,7 @@ def test_config_json_rope_scaling_is_honoured(tmp_path: Path) -> None:
 def test_hf_config_overrides_merge(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
-    from nxd_lc.models.llama.model import build_llama_config
+    from nxd_lc.models.hf_config import build_llama_config
 
     llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
               "original_max_position_embeddings": 128}
@@ -299,7 +299,7 @@ def test_div_interpolation_sets_the_factor(tmp_path: Path) -> None:
     from omegaconf import OmegaConf
 
     from nxd_lc.app.validation import load_config
-    from nxd_lc.models.llama.model import build_llama_config
+    from nxd_lc.models.hf_config import build_llama_config
 
     raw = OmegaConf.load(CONF / "cpu_tiny_llama_config.yaml")
     raw.data.seq_length = raw.model.encoder_seq_length = raw.model.max_position_embeddings = 8192
@@ -334,7 +334,8 @@ def test_noop_warning(caplog: pytest.LogCaptureFixture) -> None:
 
 @pytest.mark.parametrize("rope_type", ["default", "linear", "dynamic", "yarn", "llama3", "longrope"])
 def test_model_builds_and_runs_with_each_rope_type(tmp_path: Path, rope_type: str) -> None:
-    from nxd_lc.models.llama.model import LlamaForCausalLM, build_llama_config
+    from nxd_lc.models.hf_config import build_llama_config
+    from nxd_lc.models.llama.model import LlamaForCausalLM
 
     scalings = {
         "default": {"rope_type": "default"}, "linear": {"rope_type": "linear", "factor": 4.0},

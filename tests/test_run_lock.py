@@ -14,7 +14,7 @@ import pytest
 from nxd_lc.config.errors import ConfigError
 from nxd_lc.lightning.run_lock import LOCK_FILE, RunLock
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

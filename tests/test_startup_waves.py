@@ -9,7 +9,7 @@ import time
 import pytest
 from dist_utils import run_distributed
 
-from nxd_lc.runtime.startup import run_in_waves, wave_of
+from nxd_lc.distributed.startup import run_in_waves, wave_of
 
 
 def _wave_worker(rank: int, world: int, factor: int | None, out_dir: str) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from nxd_lc.precision import sr_add_, stochastic_round_to_bf16
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 

@@ -2,12 +2,12 @@
 
 Trains a tiny Llama (1 layer, hidden 64) for 20 optimizer steps on packed real text (stdlib ``__init__.py``
 files: documents from a few tokens to several sequences long, so every batch has a different number and length
-of documents in its ``segment_ids``) through :func:`nxd_lc.train.run` with ``trainer.accelerator=xla`` on
+of documents in its ``segment_ids``) through :func:`nxd_lc.app.run.run` with ``trainer.accelerator=xla`` on
 ``PJRT_DEVICE=CPU``, validating every 5 steps, printing metrics every 5 steps and checkpointing (xser) every 10.
 A callback snapshots ``torch_xla.debug.metrics`` (:func:`nxd_lc.runtime.xla.graph_stats`) after every optimizer
 step and every validation.
 
-Expected graphs (measured with torch-xla 2.9 on CPU; also in README "XLA"), gradient accumulation 2 (global
+Expected graphs (measured with torch-xla 2.9 on CPU; also in docs/trainium.md), gradient accumulation 2 (global
 batch 4 = 2 micro-batches of 2), compile counter after each optimizer step / validation:
 
 * training warm-up: ``TRAIN_GRAPHS_AFTER_WARMUP`` = 6 graphs by the end of step 2 (forward+backward with the
@@ -66,8 +66,8 @@ def _worker(out_json: str, corpus: str, run_dir: str) -> None:
     import pytorch_lightning as pl
     from hydra import compose, initialize_config_dir
 
+    from nxd_lc.app.run import run
     from nxd_lc.runtime import xla as xla_runtime
-    from nxd_lc.train import run
 
     class GraphRecorder(pl.Callback):
         def __init__(self) -> None:
@@ -158,7 +158,7 @@ def test_xla_document_masked_attention_matches_per_document_sdpa() -> None:
     """The XLA path (one SDPA with a device-built boolean mask) equals the CPU per-document SDPA path."""
     import torch
 
-    from nxd_lc.models.common.attention import local_attention
+    from nxd_lc.context.local import local_attention
     from nxd_lc.runtime import xla as xla_runtime
 
     torch.manual_seed(0)

@@ -19,7 +19,7 @@ import torch
 
 from nxd_lc.checkpoint.xser import TensorReference, _XserPickler, _XserUnpickler, load_xser, save_xser
 
-pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; README "Tests")
+pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
 
 def _structure(tmp_path) -> tuple[dict, str]:

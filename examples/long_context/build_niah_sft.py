@@ -25,8 +25,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
+from nxd_lc.data.retrieval_tasks import TASKS, build_sample  # noqa: E402
 from nxd_lc.data.sources import builtin_source, iter_documents, split_source  # noqa: E402
-from nxd_lc.eval.retrieval import TASKS, build_sample  # noqa: E402
 
 
 def train_haystack(tokenizer: Any, num_tokens: int, val_fraction: float = 0.05) -> list[int]:

@@ -33,7 +33,7 @@ mkdir -p "$OUT"
 step() { printf '\n=== %s\n' "$*"; }
 evaluate() {  # evaluate <config> <hf dir> <name> <label> [overrides...]
   local config=$1 hf=$2 name=$3 label=$4; shift 4
-  $TORCHRUN -m nxd_lc.eval.passkey --config-name "$config" --hf-dir "$hf" --lengths "$LENGTHS" \
+  $TORCHRUN -m nxd_lc.cli.passkey --config-name "$config" --hf-dir "$hf" --lengths "$LENGTHS" \
     --depths 0,0.25,0.5,0.75,1 --num-samples "$NUM_SAMPLES" --out "$OUT/$name" --label "$label" "$@"
 }
 
@@ -41,7 +41,7 @@ step "(a) stage 1: 512 tokens, corpus + synthetic passkey"
 $TORCHRUN train.py --config-name cpu_passkey_config   # resumes / returns at once when already finished
 
 step "(b) convert stage 1 -> $HF1"
-$PY -m nxd_lc.checkpoint.convert --config-name cpu_passkey_config \
+$PY -m nxd_lc.cli.convert --config-name cpu_passkey_config \
   --checkpoint nxd_lc_runs/cpu_passkey/checkpoints --output "$HF1" --overwrite true
 
 step "(c) before: base model (unscaled RoPE) and YaRN x4 zero-shot"
@@ -53,7 +53,7 @@ if [ "$FRESH" = 1 ]; then rm -rf nxd_lc_runs/cpu_passkey_yarn; fi
 $TORCHRUN train.py --config-name cpu_passkey_yarn_config
 
 step "(e) convert stage 2 -> $HF2 and evaluate"
-$PY -m nxd_lc.checkpoint.convert --config-name cpu_passkey_yarn_config \
+$PY -m nxd_lc.cli.convert --config-name cpu_passkey_yarn_config \
   --checkpoint nxd_lc_runs/cpu_passkey_yarn/checkpoints --output "$HF2" --overwrite true
 evaluate cpu_passkey_yarn_config "$HF2" continued "after the YaRN continuation at 2048"
 

@@ -34,7 +34,7 @@ mkdir -p "$OUT"
 step() { printf '\n=== %s\n' "$*"; }
 evaluate() {  # evaluate <hf dir> <json name> <label> [overrides...]
   local hf=$1 name=$2 label=$3; shift 3
-  $TORCHRUN --nproc_per_node=2 -m nxd_lc.eval.loss_by_position --config-name cpu_tiny_llama_yarn_config \
+  $TORCHRUN --nproc_per_node=2 -m nxd_lc.cli.loss_by_position --config-name cpu_tiny_llama_yarn_config \
     --hf-dir "$hf" --edges "$EDGES" --num-samples "$NUM_SAMPLES" --json "$OUT/$name.json" --label "$label" "$@"
 }
 
@@ -46,7 +46,7 @@ fi
 echo "newest: $(tail -n 1 "$MAIN_CKPTS/newest")"
 
 step "(b) convert the main job's newest checkpoint (TP=2) -> $HF_MAIN"
-$TORCHRUN --nproc_per_node=2 -m nxd_lc.checkpoint.convert --config-name cpu_tiny_llama_config \
+$TORCHRUN --nproc_per_node=2 -m nxd_lc.cli.convert --config-name cpu_tiny_llama_config \
   --checkpoint "$MAIN_CKPTS" --output "$HF_MAIN" --overwrite true
 
 step "(c) before: loss by position at seq 8192"
@@ -58,7 +58,7 @@ if [ "$FRESH" = 1 ]; then rm -rf "$YARN_RUN"; fi
 $TORCHRUN --nproc_per_node=2 train.py --config-name cpu_tiny_llama_yarn_config
 
 step "(e) convert the continuation (TP=1, one process) -> $HF_YARN, and evaluate after"
-$TORCHRUN --nproc_per_node=1 -m nxd_lc.checkpoint.convert --config-name cpu_tiny_llama_yarn_config \
+$TORCHRUN --nproc_per_node=1 -m nxd_lc.cli.convert --config-name cpu_tiny_llama_yarn_config \
   --checkpoint "$YARN_RUN/checkpoints" --output "$HF_YARN" --overwrite true
 evaluate "$HF_YARN" after_yarn "after 10 steps at 8192 with YaRN"
 

@@ -16,7 +16,7 @@ cd "$(dirname "$0")/../.."
 VENV=${VENV:-.venv}
 PY="$VENV/bin/python"
 DIR=$($PY -c "from nxd_lc.models.llama.gguf_import import prepare_smollm2; print(prepare_smollm2())" | tail -1)
-OMP_NUM_THREADS=${THREADS:-2} $PY -m nxd_lc.eval.niah --config-name cpu_passkey_config --hf-dir "$DIR" \
+OMP_NUM_THREADS=${THREADS:-2} $PY -m nxd_lc.cli.niah --config-name cpu_passkey_config --hf-dir "$DIR" \
   --tasks passkey,niah_multikey --lengths "${LENGTHS:-1024,2048,4096,8192}" --depths "${DEPTHS:-0,0.5,1}" \
   --num-samples "${NUM_SAMPLES:-2}" --out nxd_lc_runs/smollm2_niah --label "SmolLM2-135M-Instruct (inference)" \
   model.model_config="$DIR/config.json" data.tokenizer.type="$DIR" model.encoder_seq_length=8192 \

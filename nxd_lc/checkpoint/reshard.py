@@ -131,7 +131,7 @@ def _check_supported(model: Any, names: Iterable[str], tag_dir: str) -> None:
     if any(is_lora_key(n) for n in names):
         raise ValueError(f"checkpoint {tag_dir}: re-sharding a LoRA run (model_alignment_strategy.peft) to another "
                          "TP / PP layout is not supported; resume at the saved TP / PP sizes, or merge the adapters "
-                         "(python -m nxd_lc.checkpoint.convert) and start from the merged HF model")
+                         "(python -m nxd_lc.cli.convert) and start from the merged HF model")
 
 
 def reshard_model_state(model: Any, template: Mapping[str, torch.Tensor], tag_dir: str, *,

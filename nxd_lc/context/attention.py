@@ -1,4 +1,5 @@
-"""Context-parallel attention entry point: the one function the attention dispatch calls when CP > 1.
+"""The attention dispatch, :func:`core_attention` (context parallel or local), and the context-parallel entry
+point, :func:`context_parallel_attention`, the one function the dispatch calls when CP > 1.
 
 Shapes (per CP rank; ``L = S / cp`` local tokens in the layout of the chosen algorithm, see
 :mod:`nxd_lc.context.sharding`):
@@ -8,20 +9,24 @@ Shapes (per CP rank; ``L = S / cp`` local tokens in the layout of the chosen alg
     output       [B, Hq, L, D]
 
 The algorithm (``ring`` or ``ulysses``, config ``distributed_strategy.context_parallel_algo``) is a process-wide
-setting: :func:`set_context_parallel_algo` is called once at startup (``nxd_lc.train``), next to
+setting: :func:`set_context_parallel_algo` is called once at startup (:mod:`nxd_lc.app.run`), next to
 ``parallel_state.initialize_model_parallel``; it must match the one used to shard the batch
 (:func:`nxd_lc.context.sharding.shard_batch_for_context_parallel`), since the two layouts differ.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from nxd_lc.context.local import check_shapes, local_attention
 from nxd_lc.context.ring import ring_attention
 from nxd_lc.context.sharding import CP_ALGOS
 from nxd_lc.context.ulysses import ulysses_attention
+from nxd_lc.distributed import parallel_state
 
-__all__ = ["context_parallel_attention", "get_context_parallel_algo", "set_context_parallel_algo"]
+__all__ = ["context_parallel_attention", "core_attention", "get_context_parallel_algo", "set_context_parallel_algo"]
 
 _ALGO = "ring"
 
@@ -72,3 +77,51 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     raise ValueError(
         f"distributed_strategy.context_parallel_algo: unknown value {algo!r}; expected one of {list(CP_ALGOS)}"
     )
+
+
+def core_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    flash_attention: bool = True,
+    causal: bool = True,
+    scale: float | None = None,
+    segment_ids: torch.Tensor | None = None,
+    window: int | None = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Attention over q [B,Hq,S,D], k/v [B,Hkv,S,D] -> [B,Hq,S,D]; the one dispatch point (module doc).
+
+    Args:
+        flash_attention: True -> torch SDPA (fused kernel, no mask tensor); False -> eager reference.
+        causal: apply the causal (lower-triangular) mask; position t attends to positions <= t.
+        scale: score scale, default ``1 / sqrt(D)``.
+        segment_ids: [B, S] integer document index of each token (non-decreasing along S); tokens attend only
+            to tokens of the same document. None (or one document per row) -> plain attention over the row.
+        window: sliding-window size in keys (causal only; query t attends keys ``t - window < j <= t``); None:
+            unlimited.
+        dropout_p: dropout probability of the attention weights (pass 0 in eval).
+
+    Raises:
+        ValueError: inconsistent shapes, Hq not a multiple of Hkv, non-integer or decreasing segment_ids,
+            ``causal=False`` under context parallelism or with a window, a window < 1, or a window / dropout
+            under context parallelism (not supported yet).
+    """
+    check_shapes(q, k, v, segment_ids)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if window is not None and (window < 1 or not causal):
+        raise ValueError(f"sliding-window attention needs causal=True and a window >= 1, got {window}")
+    if parallel_state.get_context_parallel_world_size() > 1:
+        if window is not None and window >= q.shape[2] * parallel_state.get_context_parallel_world_size():
+            window = None  # covers the whole (CP-sharded) sequence: plain causal attention
+        if not causal:
+            raise ValueError("context parallel attention is causal only; got causal=False with "
+                             "distributed_strategy.context_parallel_size > 1")
+        if window is not None or dropout_p:
+            raise ValueError("not supported yet: sliding-window attention or attention dropout with "
+                             "distributed_strategy.context_parallel_size > 1")
+        return context_parallel_attention(q, k, v, segment_ids=segment_ids, scale=scale,
+                                          flash_attention=flash_attention)
+    return local_attention(q, k, v, scale=scale, causal=causal, flash_attention=flash_attention,
+                           segment_ids=segment_ids, window=window, dropout_p=dropout_p)

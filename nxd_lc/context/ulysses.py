@@ -9,7 +9,7 @@ Shapes (``cp`` = CP degree, ``L = S / cp`` local tokens in the contiguous layout
 
 Algorithm: DeepSpeed-Ulysses (Jacobs et al. 2023, arXiv:2309.14509). Each CP rank runs ordinary causal
 (document-masked) attention over the full sequence for ``Hq / cp`` of the heads, through the single-device
-attention paths of :mod:`nxd_lc.models.common.attention` (SDPA flash kernel / per-document SDPA / eager).
+attention paths of :mod:`nxd_lc.context.local` (SDPA flash kernel / per-document SDPA / eager).
 Because the sequence shards are contiguous and concatenated in CP-rank order, the gathered sequence is in
 natural order and the causal mask needs no permutation.
 
@@ -26,9 +26,9 @@ import math
 
 import torch
 
+from nxd_lc.context import local as local_attention
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.mappings import all_to_all_context_parallel_region
-from nxd_lc.models.common import attention as local_attention
 
 __all__ = ["ulysses_attention", "ulysses_kv_replication"]
 
@@ -59,7 +59,7 @@ def ulysses_kv_replication(num_query_heads: int, num_kv_heads: int, cp_size: int
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None, scale: float,
             flash_attention: bool) -> torch.Tensor:
     """Single-device causal attention of the head-sharded, full-sequence q/k/v (the non-CP branches of
-    :func:`nxd_lc.models.common.attention.core_attention`, which would re-dispatch to CP itself)."""
+    :func:`nxd_lc.context.attention.core_attention`, which would re-dispatch to CP itself)."""
     return local_attention.local_attention(q, k, v, scale=scale, causal=True, flash_attention=flash_attention,
                                            segment_ids=segment_ids)
 

@@ -8,7 +8,7 @@ Row layout (every tensor ``[S]``, S = seq_length; the collate functions stack th
   (its successor is another example or padding), so a packed row's loss is the sum of its examples' losses;
 * ``position_ids`` int64: restart at 0 at each example (and at the padding);
 * ``segment_ids`` int32: example index within the row (0, 1, ...), padding one more; the model's document
-  masking (``nxd_lc.models.common.attention``) keeps attention inside each example. Unpacked rows are all 0:
+  masking (``nxd_lc.context.local``) keeps attention inside each example. Unpacked rows are all 0:
   padding sits after the only example, which causal attention never lets it see.
 
 Over-long records (more than S tokens) are truncated to S tokens (``truncation_mode``: ``keep_start`` keeps

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from nxd_lc.eval.retrieval import TASKS, build_sample
+from nxd_lc.data.retrieval_tasks import TASKS, build_sample
 
 
 def document(task: str, tokenizer: Any, haystack: Sequence[int], length: int, depth: float, seed: int, index: int,

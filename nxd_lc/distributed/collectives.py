@@ -3,7 +3,7 @@
 Every other module of nxd_lc goes through these functions, so a backend only has to be taught
 here. Backends: ``gloo`` (CPU), ``nccl`` (CUDA) and ``xla`` (torch-xla's process group for multi-device
 XLA, e.g. Trainium: collectives become XLA collective ops inside the lazy graph; registered on first use
-by :func:`default_backend`). On ``xla``, gathers and reduce-scatters use the single-tensor forms
+by :func:`nxd_lc.runtime.device.default_backend`). On ``xla``, gathers and reduce-scatters use the single-tensor forms
 (``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as on nccl); point-to-point ring exchange is
 not available there (use ``context_parallel_algo: ulysses``). All functions are plain tensor operations without
 autograd; :mod:`nxd_lc.distributed.mappings` wraps them in autograd functions.
@@ -40,27 +40,6 @@ _REDUCE_OPS = {
 # backends with all_gather_into_tensor / reduce_scatter_tensor (gloo has neither): NCCL, torch-xla, XPU's XCCL,
 # TorchNeuron's native 'neuron' backend
 _TENSOR_COLLECTIVE_BACKENDS = ("nccl", "xla", "xccl", "neuron")
-
-
-def default_backend(device_type: str) -> str:
-    """Return the torch.distributed backend for a device type: ``'xla'`` for xla (registers torch-xla's backend
-    with torch.distributed first), else the backend torch registers for it (``'gloo'`` for cpu, ``'nccl'`` for
-    cuda, ``'neuron'`` for TorchNeuron's device: :func:`nxd_lc.runtime.accel.process_group_backend`).
-
-    Raises:
-        ValueError: no backend is registered for the device type.
-        ModuleNotFoundError: ``'xla'`` without torch-xla installed.
-    """
-    if device_type == "xla":
-        from nxd_lc.runtime.xla import xla_process_group_backend
-
-        return xla_process_group_backend()
-    from nxd_lc.runtime.accel import process_group_backend
-
-    try:
-        return process_group_backend(device_type)
-    except ValueError as e:
-        raise ValueError(f"default_backend: unsupported device type {device_type!r}: {e}") from None
 
 
 def is_initialized() -> bool:

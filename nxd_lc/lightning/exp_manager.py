@@ -232,7 +232,7 @@ def _layout_problem(cfg: NxdConfig, tag_dir: str, key: str) -> Optional[str]:
                 f"{ds.pipeline_model_parallel_size}; re-sharding a LoRA run (model_alignment_strategy.peft) is not "
                 f"supported: resume with distributed_strategy.tensor_model_parallel_size={saved.tp} "
                 f"distributed_strategy.pipeline_model_parallel_size={saved.pp}, or merge the adapters into an HF "
-                f"model (python -m nxd_lc.checkpoint.convert) and start from model.hf_weights_dir")
+                f"model (python -m nxd_lc.cli.convert) and start from model.hf_weights_dir")
     log.warning("%s: checkpoint %s was saved with TP %d x PP %d; this run (TP %d x PP %d) re-shards its weights "
                 "and optimizer state on load", key, tag_dir, saved.tp, saved.pp, ds.tensor_model_parallel_size,
                 ds.pipeline_model_parallel_size)

@@ -93,7 +93,7 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
     preemption.save = checkpoint_callback_saver(ckpt) if ckpt is not None else None
     callbacks.append(preemption)
     if cfg.exp_manager.retrieval_eval.every_n_steps > 0:  # passkey / NIAH accuracy while training
-        from nxd_lc.eval.retrieval import RetrievalEvalCallback
+        from nxd_lc.lightning.retrieval_callback import RetrievalEvalCallback
 
         callbacks.append(RetrievalEvalCallback(cfg.exp_manager.retrieval_eval, seq_length(cfg) or 0,
                                                cfg.distributed_strategy.context_parallel_algo))

@@ -22,14 +22,15 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from nxd_lc.config.schema import MoEConfig, NxdConfig
-from nxd_lc.models.mixtral.model import MoEOptions
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MOE_MODEL_TYPES", "expert_parallel_problems", "moe_hf_overrides", "moe_options", "moe_problems"]
+__all__ = ["MOE_MODEL_TYPES", "MoEOptions", "expert_parallel_problems", "moe_hf_overrides", "moe_options",
+           "moe_problems"]
 
 #: config.json model types whose feed-forward blocks are mixtures of experts.
 MOE_MODEL_TYPES = ("mixtral",)
@@ -39,6 +40,23 @@ _HF_FIELDS = {"num_experts": "num_local_experts", "top_k": "num_experts_per_tok"
               "output_router_logits": "output_router_logits", "router_aux_loss_coef": "router_aux_loss_coef"}
 
 
+@dataclass(frozen=True)
+class MoEOptions:
+    """NxDT's ``model.moe`` keys that are not in the HF config.json (defaults: HF Mixtral's behaviour).
+
+    Attributes:
+        frequency: every ``frequency``-th layer (0-based index divisible by it) is a MoE layer.
+        capacity_factor: slots per expert relative to a uniform load; None / <= 0: no limit.
+        dropless: never drop tokens (overrides ``capacity_factor``).
+        normalize_top_k_affinities: renormalise the kept top-k affinities (Mixtral: true).
+    """
+
+    frequency: int = 1
+    capacity_factor: float | None = None
+    dropless: bool = True
+    normalize_top_k_affinities: bool = True
+
+
 def is_moe_model(hf: Mapping[str, Any] | None) -> bool:
     """Whether an HF config.json dict describes a mixture-of-experts model (:data:`MOE_MODEL_TYPES`)."""
     return (hf or {}).get("model_type") in MOE_MODEL_TYPES
@@ -46,14 +64,14 @@ def is_moe_model(hf: Mapping[str, Any] | None) -> bool:
 
 def moe_hf_overrides(moe: MoEConfig | None) -> dict[str, Any]:
     """The config.json fields ``model.moe`` sets (its non-null keys of :data:`_HF_FIELDS`), for
-    :func:`nxd_lc.models.llama.model.build_llama_config`'s ``hf_config_overrides``."""
+    :func:`nxd_lc.models.hf_config.build_llama_config`'s ``hf_config_overrides``."""
     if moe is None:
         return {}
     return {field: getattr(moe, key) for key, field in _HF_FIELDS.items() if getattr(moe, key) is not None}
 
 
 def moe_options(moe: MoEConfig | None) -> MoEOptions:
-    """:class:`~nxd_lc.models.mixtral.MoEOptions` of ``model.moe`` (HF Mixtral's behaviour when None): a
+    """:class:`MoEOptions` of ``model.moe`` (HF Mixtral's behaviour when None): a
     ``capacity_factor`` only limits experts when ``dropless`` is false and it is > 0 (module docstring)."""
     if moe is None:
         return MoEOptions()

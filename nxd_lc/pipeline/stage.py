@@ -61,7 +61,7 @@ def causal_lm_objective(model: nn.Module, hidden: torch.Tensor,
     """The last stage's default objective: the micro-batch's token-mean causal-LM loss (this CP rank's share,
     scaled by CP, :func:`nxd_lc.context.context_parallel_loss`), with its ``[loss_sum, num_tokens]`` (fp32 ``[2]``,
     before any DP / CP reduction) as the metric ``sums``."""
-    from nxd_lc.models.llama.model import causal_lm_loss_from_hidden
+    from nxd_lc.models.common.loss import causal_lm_loss_from_hidden
 
     loss_sum, num_tokens = causal_lm_loss_from_hidden(model, hidden, kwargs["labels"])
     loss_sum = model.add_auxiliary_loss(loss_sum, num_tokens)

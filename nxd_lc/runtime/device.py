@@ -31,7 +31,6 @@ import torch
 import torch.distributed as dist
 
 from nxd_lc.config.errors import ConfigError
-from nxd_lc.distributed import collectives
 from nxd_lc.runtime import accel
 from nxd_lc.runtime import xla as xla_runtime
 
@@ -135,7 +134,7 @@ def init_distributed(accelerator: str, timeout_s: float = 1800.0) -> RuntimeInfo
     if is_xla_accelerator(accelerator):
         device = xla_runtime.xla_device()
         # one process: a host-side group of one (every collective is a no-op); several: torch-xla's group
-        backend = collectives.default_backend("xla") if world > 1 else collectives.default_backend("cpu")
+        backend = default_backend("xla") if world > 1 else default_backend("cpu")
         if not dist.is_initialized():
             init_method = "xla://" if backend == "xla" else None
             dist.init_process_group(backend=backend, init_method=init_method, rank=rank, world_size=world,
@@ -143,7 +142,24 @@ def init_distributed(accelerator: str, timeout_s: float = 1800.0) -> RuntimeInfo
         return RuntimeInfo(accelerator, device, backend, rank, local_rank, world)
     # gpu / neuron_native: the torch.accelerator device of this local rank (CUDA, or TorchNeuron's 'neuron')
     device = accel.HOST if accelerator == "cpu" else accel.accelerator_device(local_rank)
-    backend = collectives.default_backend(device.type)
+    backend = default_backend(device.type)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world, timeout=timeout)
     return RuntimeInfo(accelerator, device, backend, rank, local_rank, world)
+
+
+def default_backend(device_type: str) -> str:
+    """Return the torch.distributed backend for a device type: ``'xla'`` for xla (registers torch-xla's backend
+    with torch.distributed first), else the backend torch registers for it (``'gloo'`` for cpu, ``'nccl'`` for
+    cuda, ``'neuron'`` for TorchNeuron's device: :func:`nxd_lc.runtime.accel.process_group_backend`).
+
+    Raises:
+        ValueError: no backend is registered for the device type.
+        ModuleNotFoundError: ``'xla'`` without torch-xla installed.
+    """
+    if device_type == "xla":
+        return xla_runtime.xla_process_group_backend()
+    try:
+        return accel.process_group_backend(device_type)
+    except ValueError as e:
+        raise ValueError(f"default_backend: unsupported device type {device_type!r}: {e}") from None

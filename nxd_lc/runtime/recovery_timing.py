@@ -4,7 +4,7 @@ The time from process start to the first completed training step, split into pha
 the time a failure costs beyond the lost steps. Phase boundaries (wall clock, ``time.time()``):
 
 ============================  =====================================================================
-``startup_s``                 process start -> ``nxd_lc.train.run`` entered: interpreter start and imports
+``startup_s``                 process start -> ``nxd_lc.app.run.run`` entered: interpreter start and imports
                               (process start is the kernel's: ``/proc/self/stat`` field 22 + boot time)
 ``distributed_init_s``        -> process group and ``parallel_state`` ready
 ``model_build_s``             -> model built, HF weights loaded, moved to the device

@@ -10,8 +10,8 @@ from nxd_lc.app.validation.parallel import length_divisibility_problems
 from nxd_lc.config.access import data_parallel_size, model_seq_length, resolve_path, seq_length
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.megatron_dataset import megatron_data_problems
+from nxd_lc.data.retrieval_tasks import TASKS
 from nxd_lc.data.tokenizer import tokenizer_paths, tokenizer_problems, tokenizer_unsupported
-from nxd_lc.eval.retrieval import TASKS
 from nxd_lc.models.common.rope import rope_scaling_problems
 
 

@@ -11,7 +11,8 @@ from nxd_lc.config.access import peft_config, seq_length
 from nxd_lc.config.alignment_schema import pretraining_data_problems
 from nxd_lc.config.peft_schema import PEFT_KEY, peft_problems
 from nxd_lc.config.schema import CHECKPOINT_METHODS, NxdConfig
-from nxd_lc.eval.retrieval import SCORINGS, TASKS
+from nxd_lc.data.retrieval_tasks import TASKS
+from nxd_lc.eval.retrieval import SCORINGS
 from nxd_lc.lightning.preemption import signal_numbers
 from nxd_lc.optim.optimizers import OPTIMIZER_NAMES
 from nxd_lc.optim.schedulers import SCHEDULE_NAMES
@@ -128,8 +129,8 @@ def retrieval_eval_problems(cfg: NxdConfig) -> list[str]:
     if cfg.distributed_strategy.pipeline_model_parallel_size > 1:
         p.append(f"{key}: not supported with pipeline_model_parallel_size > 1 (the evaluation runs the whole model "
                  "on each rank); set every_n_steps: 0 and evaluate the converted checkpoint with "
-                 "python -m nxd_lc.eval.passkey")
+                 "python -m nxd_lc.cli.passkey")
     if cfg.model_alignment_strategy is not None:
         p.append(f"{key}: needs the pretraining data module (its held-out split is the haystack); for fine-tuning "
-                 "runs evaluate the converted checkpoint with python -m nxd_lc.eval.niah")
+                 "runs evaluate the converted checkpoint with python -m nxd_lc.cli.niah")
     return p

@@ -1,6 +1,7 @@
-"""Model building blocks shared by decoder families: RoPE, core attention, MLP, norms."""
+"""Model building blocks shared by decoder families: RoPE, the attention module, MLP, norms
+(the attention kernels themselves are :mod:`nxd_lc.context`)."""
 
-from nxd_lc.models.common.attention import CoreAttention, core_attention
+from nxd_lc.models.common.attention import CoreAttention
 from nxd_lc.models.common.mlp import LlamaMLP
 from nxd_lc.models.common.norm import RMSNorm
 from nxd_lc.models.common.rope import RopeSpec, RotaryEmbedding, apply_rotary_pos_emb, rope_spec_from_config
@@ -12,6 +13,5 @@ __all__ = [
     "RopeSpec",
     "RotaryEmbedding",
     "apply_rotary_pos_emb",
-    "core_attention",
     "rope_spec_from_config",
 ]

@@ -17,7 +17,7 @@ with and without packed-document ``segment_ids``, in tests/test_compile.py):
 * ring attention (point-to-point sends, host-side tile bounds): one ``torch.library`` custom op with its own
   backward op (:mod:`nxd_lc.context.ring`);
 * document-masked attention (host-side document lengths, data-dependent shapes in eager): the tiled ring kernel
-  on this rank alone, as the same custom op (:func:`nxd_lc.models.common.attention.local_attention`).
+  on this rank alone, as the same custom op (:func:`nxd_lc.context.local.local_attention`).
 
 Backend by device (:func:`compile_backend`): ``inductor`` on CPU and CUDA, ``neuron`` on TorchNeuron's native
 device; the XLA lane traces lazy graphs itself and rejects ``model.compile`` at validation.

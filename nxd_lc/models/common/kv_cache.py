@@ -2,7 +2,7 @@
 
 Each layer keeps its keys and values after RoPE, ``[B, Hkv_local, T, D]`` (this TP rank's KV heads, T cached
 positions), in the model's dtype. A forward with a cache attends the new positions to every cached one plus
-themselves (bottom-right causal; :func:`nxd_lc.models.common.attention.cached_attention`) and appends them. The
+themselves (bottom-right causal; :func:`nxd_lc.context.local.cached_attention`) and appends them. The
 prompt is run once (prefill) and each generated token, or each candidate continuation, costs one forward over its
 own tokens only. :meth:`KVCache.truncate` drops positions again (re-scoring several continuations of one prompt).
 

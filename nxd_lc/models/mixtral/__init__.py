@@ -1,5 +1,5 @@
 """Mixtral (sparse mixture-of-experts Llama): :class:`MixtralForCausalLM`."""
 
-from nxd_lc.models.mixtral.model import MixtralForCausalLM, MoEOptions
+from nxd_lc.models.mixtral.model import MixtralForCausalLM
 
-__all__ = ["MixtralForCausalLM", "MoEOptions"]
+__all__ = ["MixtralForCausalLM"]

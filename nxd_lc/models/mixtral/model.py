@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -41,28 +40,13 @@ from transformers import MixtralConfig
 from nxd_lc.distributed import parallel_state
 from nxd_lc.distributed.mappings import sum_over_context_parallel_region
 from nxd_lc.layers.linear import InitMethod
-from nxd_lc.models.llama.model import LlamaForCausalLM, _normal_init, causal_lm_loss_from_hidden
+from nxd_lc.models.common.loss import causal_lm_loss_from_hidden
+from nxd_lc.models.llama.model import LlamaForCausalLM, normal_init
+from nxd_lc.moe.config import MoEOptions
 from nxd_lc.moe.layer import MoE
 from nxd_lc.moe.routing import RouterStats, load_balancing_loss
 
-__all__ = ["MixtralForCausalLM", "MoEOptions"]
-
-
-@dataclass(frozen=True)
-class MoEOptions:
-    """NxDT's ``model.moe`` keys that are not in the HF config.json (defaults: HF Mixtral's behaviour).
-
-    Attributes:
-        frequency: every ``frequency``-th layer (0-based index divisible by it) is a MoE layer.
-        capacity_factor: slots per expert relative to a uniform load; None / <= 0: no limit.
-        dropless: never drop tokens (overrides ``capacity_factor``).
-        normalize_top_k_affinities: renormalise the kept top-k affinities (Mixtral: true).
-    """
-
-    frequency: int = 1
-    capacity_factor: float | None = None
-    dropless: bool = True
-    normalize_top_k_affinities: bool = True
+__all__ = ["MixtralForCausalLM"]
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -120,7 +104,7 @@ class MixtralForCausalLM(LlamaForCausalLM):
                    capacity_factor=o.capacity_factor, dropless=o.dropless,
                    normalize_top_k_affinities=o.normalize_top_k_affinities, sequence_parallel=sequence_parallel,
                    init_method=init_method, dtype=layer_kw["dtype"], device=layer_kw["device"],
-                   output_init_method=functools.partial(_normal_init, self.options.output_init_std))
+                   output_init_method=functools.partial(normal_init, self.options.output_init_std))
 
     def hidden_states(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         """As :meth:`LlamaForCausalLM.hidden_states`; the MoE layers' routing statistics of this call are kept in

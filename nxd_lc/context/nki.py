@@ -23,7 +23,7 @@ are the reference for this module; the kernel itself runs only on Trainium):
 q/k/v in the kernel's ``[B, H, D, S]`` layout (no transposes around the kernel); False means they come in
 SDPA's ``[B, H, S, D]`` and the adapter permutes them. Off Neuron (no ``neuronxcc``),
 :func:`flash_attention` runs torch SDPA instead. Tests substitute a pure-PyTorch :class:`NkiKernels`; the real
-kernel is validated only on Trainium.
+kernel has not run here (no Trainium hardware): untested on hardware.
 """
 
 from __future__ import annotations

@@ -1,0 +1,235 @@
+"""Run-level checkpoint conversions: nxd_lc (NxD-layout, TP-sharded) checkpoint -> Hugging Face directory
+(:func:`convert_checkpoint_to_hf`) and back (:func:`convert_hf_to_checkpoint`, NxD's ``--convert_from_full_state``),
+with the run's own config (:func:`compose_run_config`), model (:func:`build_model`, the training builder) and
+tokenizer (:func:`load_run_tokenizer`). The command line and its flags are :mod:`nxd_lc.cli.convert`; the
+checkpoint-level pieces (locating, layout checks, shard loading, atomic publishing) are
+:mod:`nxd_lc.checkpoint.model_shards`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import uuid
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nxd_lc.app.build import build_model as build_run_model
+from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint.model_shards import (
+    MODEL_PREFIX,
+    check_layout,
+    check_output,
+    load_model_shard,
+    publish,
+    resolve_checkpoint,
+    stage_state,
+    write_provenance,
+)
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.layers.lora import merge_lora
+
+log = logging.getLogger("nxd_lc.checkpoint.convert")
+
+
+def compose_run_config(config_name: str, config_dir: str = "conf", overrides: Sequence[str] = ()) -> NxdConfig:
+    """Compose ``<config_dir>/<config_name>.yaml`` with Hydra (+ overrides) and validate it.
+
+    Validated for its own world size (``trainer.devices * trainer.num_nodes``), without path checks.
+
+    Raises:
+        FileNotFoundError: the config directory or file does not exist.
+        nxd_lc.config.errors.ConfigError: the config is invalid (every problem listed).
+    """
+    from hydra import compose, initialize_config_dir
+
+    from nxd_lc.app.validation import load_config
+    from nxd_lc.config.schema import register_configs
+
+    conf_dir = os.path.abspath(config_dir)
+    name = config_name[:-5] if config_name.endswith(".yaml") else config_name
+    if not os.path.isfile(os.path.join(conf_dir, f"{name}.yaml")):
+        raise FileNotFoundError(f"--config-name: {os.path.join(conf_dir, name + '.yaml')} does not exist; "
+                                f"pass --config-dir or a config name from {conf_dir}")
+    register_configs()
+    with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
+        raw = compose(config_name=name, overrides=list(overrides))
+    return load_config(raw, world_size=None, check_paths=False)
+
+
+def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Module:
+    """The run's decoder, sharded for this rank's TP coordinate (``parallel_state`` must be initialised).
+
+    Uses the training job's own builder so that the model matches the one that wrote the checkpoint. With
+    ``load_weights`` it also loads ``model.hf_weights_dir`` (this rank's shard), else the weights are fresh.
+
+    Raises:
+        RuntimeError: the builder did not apply ``model.hf_config_overrides.rope_scaling`` (a rope_type other
+            than the configured one would silently change the model).
+    """
+    # the whole model on each TP rank: pipeline stages are gathered (see check_layout)
+    ds = dataclasses.replace(cfg.distributed_strategy, pipeline_model_parallel_size=1,
+                             virtual_pipeline_model_parallel_size=1)
+    cfg = dataclasses.replace(cfg, distributed_strategy=ds, model=dataclasses.replace(cfg.model, pipeline_cuts=None))
+    if not load_weights:
+        cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=None))
+    _, model = build_run_model(cfg)
+    rope = (cfg.model.hf_config_overrides or {}).get("rope_scaling")
+    wanted = (rope.get("rope_type") or rope.get("type")) if isinstance(rope, dict) else None
+    built = model.rotary_emb.spec.rope_type if model.rotary_emb is not None else None
+    if wanted is not None and built != wanted:
+        raise RuntimeError(f"model.hf_config_overrides.rope_scaling.rope_type is {wanted!r} but the model was "
+                           f"built with rope_type {built!r}: nxd_lc.app.build.build_model ignores hf_config_overrides")
+    return model
+
+
+def load_run_tokenizer(cfg: NxdConfig) -> Any:
+    """The tokenizer the run trained with (``data.tokenizer``: an HF directory, or the cached byte-level BPE of
+    its corpus, trained now if the cache is missing).
+
+    Raises:
+        ValueError: as :func:`nxd_lc.data.tokenizer.load_tokenizer` (names ``data.tokenizer.type``).
+    """
+    from nxd_lc.data.datamodule import PretrainingDataModule
+    from nxd_lc.data.sources import iter_documents
+    from nxd_lc.data.tokenizer import DEFAULT_CACHE_DIR, load_tokenizer
+
+    d = cfg.data
+    if d.data_prefix is not None:  # Megatron indexed data: an on-disk tokenizer, nothing trained
+        return load_tokenizer(d.tokenizer, None, require_fast=False)
+    dm = PretrainingDataModule(d, seq_length=1, seed=cfg.seed, model_vocab_size=1, data_parallel_rank=0,
+                               data_parallel_size=1, global_batch_size=d.micro_batch_size)
+    train_src, _ = dm._sources()  # the same (train split) source the run fingerprinted its BPE with
+    texts = None if train_src.pretokenized else (lambda: iter_documents(train_src))
+    return load_tokenizer(d.tokenizer, texts, d.tokenizer.cache_dir or DEFAULT_CACHE_DIR,
+                          corpus_fingerprint=train_src.fingerprint(), is_builder=True)
+
+
+def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dtype: torch.dtype | None = None,
+                             overwrite: bool = False, use_xser: bool | None = None,
+                             save_tokenizer: bool = True) -> str:
+    """Write checkpoint ``checkpoint`` of the run ``cfg`` as an HF model directory ``output``.
+
+    Collective: every rank of the default process group calls it (a group of one, or no group, for TP = 1).
+    World size must equal the checkpoint's TP size. Initialises ``parallel_state`` (TP = the checkpoint's, CP =
+    PP = 1) when it is not initialised, and tears it down again afterwards.
+
+    Args:
+        cfg: the validated config of the run that wrote the checkpoint (its model, ``hf_config_overrides``
+            included, and its tokenizer).
+        checkpoint: ``<root>/<tag>`` or a checkpoint root (newest complete tag).
+        output: HF directory to create (``model.safetensors``, ``config.json``, tokenizer files,
+            ``nxd_lc_conversion.json``).
+        dtype: dtype of the saved tensors (default: the parameters' dtype).
+        overwrite: replace an existing non-empty ``output``.
+        use_xser: checkpoint format, None = auto-detect.
+        save_tokenizer: also save the run's tokenizer (:func:`load_run_tokenizer`).
+
+    Returns:
+        The absolute output directory.
+
+    Raises:
+        FileNotFoundError: missing / incomplete checkpoint, missing shard.
+        ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
+            shard that does not fit the config's model.
+    """
+    from nxd_lc.config.access import peft_config
+    from nxd_lc.distributed import collectives
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.models.llama.hf_adapter import save_hf_weights
+
+    root, tag = resolve_checkpoint(checkpoint)
+    tag_dir = os.path.join(root, tag)
+    tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())
+    output = os.path.abspath(output)
+    check_output(output, overwrite)
+    own_state = not ps.model_parallel_is_initialized()
+    if own_state:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
+    elif ps.get_tensor_model_parallel_world_size() != tp:
+        raise ValueError(f"parallel_state has TP size {ps.get_tensor_model_parallel_world_size()} but checkpoint "
+                         f"{tag_dir} has TP size {tp}")
+    try:
+        rank0 = collectives.get_global_rank() == 0
+        peft = peft_config(cfg)
+        lora_only = peft is not None and not peft.save_lora_base  # base weights from model.hf_weights_dir
+        model = build_model(cfg, load_weights=lora_only)
+        load_model_shard(model, root, tag, tp_rank=ps.get_tensor_model_parallel_rank(), use_xser=use_xser,
+                         adapters_only=lora_only, ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
+        if peft is not None:
+            merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
+        tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None
+        parent, name = os.path.split(output)
+        staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
+        if rank0:
+            os.makedirs(parent, exist_ok=True)
+        save_hf_weights(model, staging, dtype=dtype)  # collective; rank 0 writes
+        if rank0:
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            write_provenance(staging, tag_dir, tp, cfg)
+            publish(staging, output)
+        collectives.barrier()
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+    return output
+
+
+def convert_hf_to_checkpoint(cfg: NxdConfig, hf_dir: str, output: str, *, tag: str = "step=0",
+                             pp_size: int = 1, use_xser: bool = True) -> str:
+    """Write the HF model ``hf_dir`` as an NxD-layout checkpoint ``<output>/<tag>`` at this launch's TP size and
+    ``pp_size`` stages (NxD's ``--convert_from_full_state``); collective, one process per TP rank.
+
+    Every TP rank builds the whole model of ``cfg`` with ``model.hf_weights_dir: hf_dir`` (the training loader:
+    fused QKV, ``kv_replicator`` and ``qkv_linear`` as configured), splits it into the stages a run with
+    ``pipeline_model_parallel_size: pp_size`` (and ``model.pipeline_cuts``) builds, and writes one model shard per
+    (TP rank, stage), with the manifest and ``done`` of a training checkpoint. It holds weights only (no optimizer
+    state or trainer loops): start a run from it with ``exp_manager.resume_from_checkpoint: <output>/<tag>`` and
+    ``model.weight_init_only: true``, as NxDT does with converted checkpoints.
+
+    Returns:
+        The checkpoint directory ``<output>/<tag>``.
+
+    Raises:
+        ValueError: ``pp_size`` < 1 or more stages than layers (see :func:`nxd_lc.pipeline.rank_model_part`).
+        FileNotFoundError: ``hf_dir`` has no weights.
+    """
+    from nxd_lc.distributed import collectives
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.pipeline import rank_model_part
+
+    if pp_size < 1:
+        raise ValueError(f"--pp_size must be >= 1, got {pp_size}")
+    tp = collectives.get_global_world_size()
+    own_state = not ps.model_parallel_is_initialized()
+    if own_state:
+        ps.initialize_model_parallel(tensor_model_parallel_size=tp,
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
+    try:
+        model = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=hf_dir)),
+                            load_weights=True)
+        state = {MODEL_PREFIX + k: v for k, v in model.state_dict().items()}
+        layers = model.config.num_hidden_layers
+        parts = [stage_state(state, rank_model_part(layers, pp_size, r, 1, cfg.model.pipeline_cuts))
+                 for r in range(pp_size)]
+        tp_rank = ps.get_tensor_model_parallel_rank()
+        rank0 = collectives.get_global_rank() == 0
+        staged = sharded.stage_checkpoint(os.path.abspath(output), tag, model_state=parts[0], optim_state=None,
+                                          user_content={"global_step": 0, "converted_from": os.path.abspath(hf_dir)},
+                                          dp_rank=0, tp_rank=tp_rank, pp_rank=0, is_global_zero=rank0,
+                                          write_model=True, write_optim=False, use_xser=use_xser, step=0)
+        for pp_rank in range(1, pp_size):  # the other stages' shards of this TP rank
+            staged.files.append((f"{sharded.MODEL_DIR}/{sharded.checkpoint_file_name(0, tp_rank, pp_rank)}",
+                                 parts[pp_rank], use_xser))
+        staged.write()
+        return staged.publish()
+    finally:
+        if own_state:
+            ps.destroy_model_parallel()
+
+

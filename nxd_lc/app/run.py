@@ -1,0 +1,245 @@
+"""The training job: validated config -> runtime/env -> parallel state -> model -> weights -> data -> fit.
+
+``train.py`` at the repository root is a thin ``@hydra.main`` that calls :func:`run`. The assembly order is fixed
+(DESIGN.md principle 4) and nothing in the config is changed from environment variables.
+
+Dry run: ``python train.py --config-name X +dry_run=true`` validates the config (schema and cross-field rules for
+its own world size ``trainer.devices * trainer.num_nodes``), prints the resolved config, the environment it would
+set and any key whose feature is not supported yet, and exits without building anything.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import asdict
+from typing import Any, Mapping, Optional
+
+import pytorch_lightning as pl
+from omegaconf import DictConfig, OmegaConf
+
+from nxd_lc.app.build import build_model, load_model_weights, save_lora_outputs
+from nxd_lc.app.validation import check_supported, load_config, path_problems, unsupported_features
+from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
+from nxd_lc.config.errors import ConfigError
+from nxd_lc.config.schema import NxdConfig
+from nxd_lc.precision import resolve_precision
+from nxd_lc.runtime.env import apply_env, format_env_table
+
+log = logging.getLogger("nxd_lc.train")
+
+
+def _setup_console_logging() -> None:
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
+    logging.getLogger("nxd_lc").setLevel(logging.INFO)
+
+
+def dry_run(cfg: NxdConfig) -> str:
+    """Report for ``+dry_run=true``: resolved config, environment table, not-yet-supported keys, missing paths."""
+    env = dict(os.environ)  # a copy: the dry run changes nothing
+    table = format_env_table(apply_env(cfg, environ=env))
+    ds = cfg.distributed_strategy
+    lines = ["# nxd_lc dry run: config is valid", OmegaConf.to_yaml(OmegaConf.structured(asdict(cfg))),
+             f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
+             f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
+             f" seq_length {seq_length(cfg)}",
+             f"# {resolve_precision(cfg).describe()}",
+             "# environment it would set (variables already set in the environment win):", table]
+    problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
+    if problems:
+        lines.append("# launching this config would stop with:")
+        lines += [f"#   - {p}" for p in problems]
+    return "\n".join(lines)
+
+
+def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[str, Any]] = None) -> Any:
+    """Run the job described by ``raw`` (a composed Hydra config). Returns the Trainer (None on dry run).
+
+    Raises:
+        ConfigError: any config problem, all listed, before anything is built.
+    """
+    _setup_console_logging()
+    from nxd_lc.runtime.device import launched_world_size
+
+    is_dry = bool(OmegaConf.select(OmegaConf.create(raw) if not isinstance(raw, DictConfig) else raw,
+                                   "dry_run", default=False))
+    cfg = load_config(raw, world_size=None if is_dry else launched_world_size(), check_paths=not is_dry)
+    if cfg.dry_run:
+        print(dry_run(cfg))
+        return None
+    check_supported(cfg)
+    from nxd_lc.lightning.preemption import PreemptionCallback
+
+    # from here on the preemption signals only set a flag, acted on at a step boundary (nxd_lc.lightning.preemption)
+    preemption = PreemptionCallback(list(cfg.exp_manager.preemption_signals))
+    preemption.install()
+    recovery = None
+    if cfg.exp_manager.enable_recovery_time_instrumentation:
+        from nxd_lc.runtime.recovery_timing import RecoveryTimer
+
+        recovery = RecoveryTimer()
+        recovery.mark("startup_s")
+    try:
+        if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
+            from nxd_lc.runtime.prewarm import run_prewarm
+
+            return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}, preemption, recovery))
+        return _fit(cfg, trainer_overrides or {}, preemption, recovery)
+    finally:
+        preemption.restore()
+        from nxd_lc.lightning.exp_manager import release_run_dir
+
+        release_run_dir()
+
+
+def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, recovery: Any = None) -> pl.Trainer:
+    """Build everything and train. ``preemption``: the run's :class:`~nxd_lc.lightning.preemption.PreemptionCallback`
+    (handlers already installed); ``recovery``: a :class:`~nxd_lc.runtime.recovery_timing.RecoveryTimer` when
+    ``exp_manager.enable_recovery_time_instrumentation`` (phase marks are taken here)."""
+    def mark(phase: str) -> None:
+        if recovery is not None:
+            recovery.mark(phase)
+
+    from nxd_lc.context import set_context_parallel_algo
+    from nxd_lc.context.local import set_nki_options
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.lightning import exp_manager
+    from nxd_lc.lightning.trainer import build_trainer
+    from nxd_lc.runtime.device import init_distributed, resolve_accelerator
+    from nxd_lc.runtime.prewarm import begin_graph_recording, end_graph_recording
+
+    env_entries = apply_env(cfg)  # before any runtime initialises
+    accelerator = resolve_accelerator(cfg.trainer.accelerator)
+    # xla/neuron: record the compiled graphs (prewarm manifest, or the check against it), before the first compile
+    graph_record = begin_graph_recording(cfg, accelerator, int(os.environ.get("RANK", "0")))
+    runtime = init_distributed(accelerator)
+    ds = cfg.distributed_strategy
+    ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
+                                 pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
+                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator,
+                                 expert_model_parallel_size=ds.expert_model_parallel_size)
+    set_context_parallel_algo(ds.context_parallel_algo)
+    mark("distributed_init_s")
+    set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)
+    paths = exp_manager.experiment_paths(cfg)
+    exp_manager.lock_run_dir(paths, is_global_zero=runtime.rank == 0)  # before anything is written there
+    exp_manager.setup_log_files(cfg, paths, runtime.rank, runtime.local_rank)
+    if runtime.rank == 0:
+        log.info("effective environment:\n%s", format_env_table(env_entries))
+        log.info("%s", resolve_precision(cfg).describe())
+        log.info("log dir: %s", paths.log_dir)
+    pl.seed_everything(cfg.seed, workers=True)
+    hf_config, model = _build_and_move(cfg, runtime)
+    mark("model_build_s")
+    data = _data_module(cfg, hf_config.vocab_size)
+    module = _lightning_module(cfg, model, data)
+    mark("data_setup_s")
+    exp_manager.cleanup_interrupted_saves(paths, is_global_zero=runtime.rank == 0)
+    ckpt_path, weights_path = exp_manager.resume_plan(cfg, paths)
+    if weights_path:
+        load_model_weights(model, weights_path)
+    if runtime.rank == 0 and (ckpt_path or weights_path):
+        log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
+    if hasattr(module, "prepare_reference"):  # DPO: reference log-probs of the initial policy, before any resume
+        module.prepare_reference(data)
+    if recovery is not None:
+        recovery.resumed_from = ckpt_path
+    trainer = build_trainer(cfg, runtime, paths, preemption, extra_callbacks=[recovery] if recovery else [],
+                            **trainer_overrides)
+    trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+    end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
+    if peft_config(cfg) is not None and not cfg.prewarm:
+        save_lora_outputs(cfg, model, paths.log_dir, runtime.rank == 0)
+    return trainer
+
+
+def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
+    """:func:`build_model`, the move to the device and ``model.compile`` (:mod:`nxd_lc.models.common.compile`), in
+    waves of ``trainer.sequential_move_factor`` ranks per
+    node (:mod:`nxd_lc.distributed.startup`)."""
+    from nxd_lc.distributed.startup import run_in_waves
+
+    def build() -> tuple[Any, Any]:
+        hf_config, model = build_model(cfg)
+        model = model.to(runtime.device)
+        if cfg.model.compile:  # regional torch.compile of each decoder layer (training only; eval stays eager)
+            from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers
+
+            compile_decoder_layers(model, compile_backend(runtime.accelerator))
+        return hf_config, model
+
+    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.devices))
+    return run_in_waves(build, cfg.trainer.sequential_move_factor, runtime.local_rank, local_world)
+
+
+def _data_module(cfg: NxdConfig, vocab_size: int) -> Any:
+    """Pretraining data, or SFT / DPO / ORPO records with ``model_alignment_strategy`` (sharded by DP rank)."""
+    from nxd_lc.data.datamodule import PretrainingDataModule
+    from nxd_lc.distributed import parallel_state as ps
+
+    kwargs = dict(seq_length=seq_length(cfg) or 0, seed=cfg.seed, model_vocab_size=vocab_size,
+                  data_parallel_rank=ps.get_data_parallel_rank(),
+                  data_parallel_size=ps.get_data_parallel_world_size(), global_batch_size=cfg.data.global_batch_size)
+    if cfg.model_alignment_strategy is None and cfg.data.curriculum:
+        from nxd_lc.data.curriculum import CurriculumDataModule
+
+        data = CurriculumDataModule(cfg.data, **kwargs)
+    elif cfg.model_alignment_strategy is None:
+        data = PretrainingDataModule(cfg.data, **kwargs)
+    else:
+        from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule
+
+        data = ModelAlignmentDataModule(cfg.data, cfg.model_alignment_strategy, **kwargs)
+    if ps.get_pipeline_model_parallel_world_size() > 1:  # one batch = all micro-batches of a step (schedule)
+        from nxd_lc.lightning.trainer import num_microbatches
+
+        data.micro_batches_per_batch = num_microbatches(cfg)
+    return data
+
+
+def _lightning_module(cfg: NxdConfig, model: Any, data: Any) -> Any:
+    """The LightningModule: causal-LM loss (pretraining, SFT) or the preference objective (DPO, ORPO)."""
+    from nxd_lc.lightning.module import NxDLanguageModel
+
+    kwargs = dict(consumed_samples_fn=lambda: data.consumed_samples, advance_samples_fn=data.advance)
+    strategy = cfg.model_alignment_strategy
+    if strategy is None or strategy.algorithm == "sft":
+        return NxDLanguageModel(cfg, model, **kwargs)
+    from nxd_lc.alignment.module import NxDPreferenceModel
+
+    return NxDPreferenceModel(cfg, model, **kwargs)
+
+
+def hydra_defaults() -> list[str]:
+    """Hydra overrides nxd_lc adds unless given: no output sub-dir, no chdir, no Hydra log files.
+
+    The run directory is ``exp_manager``'s; Hydra's own per-run directory would be a second, per-rank one.
+    """
+    return ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def _shutdown_distributed() -> None:
+    """Release nxd_lc's process groups and the default one (local, not collective): the process then exits
+    without gloo / NCCL threads still running during interpreter shutdown, which aborted a rank with
+    "terminate called without an active exception" (exit status -6 after a finished run)."""
+    import torch.distributed as dist
+
+    from nxd_lc.distributed import parallel_state as ps
+
+    if dist.is_available() and dist.is_initialized():
+        ps.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def hydra_task(raw: DictConfig) -> None:
+    """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2; the
+    process groups are released at the end, whatever the outcome."""
+    try:
+        run(raw)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    finally:
+        _shutdown_distributed()

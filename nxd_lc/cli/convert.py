@@ -1,0 +1,182 @@
+"""Convert an nxd_lc (NxD-layout, TP-sharded) training checkpoint into a Hugging Face model directory.
+
+::
+
+    torchrun --nproc_per_node=<TP> -m nxd_lc.cli.convert --config-name cpu_tiny_llama_config \\
+        --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints/<tag> --output nxd_lc_runs/hf/cpu_tiny_llama
+
+Runs at the checkpoint's tensor-parallel size (one process per TP rank; a checkpoint saved with pipeline stages is
+gathered: each rank loads its TP shard of every stage; a checkpoint saved with expert parallelism, ``dp_rank_00_ep_rank_XX_...`` files, needs TP x EP processes, each loading its EP rank's experts,
+gathered over EP on export). Every rank builds the model
+of the run's config (sharded at construction, as in training), loads its own model shard
+(``<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt``, xser or plain, via
+:func:`nxd_lc.checkpoint.sharded.load_checkpoint`; keys are the LightningModule's ``model.<name>``), and then
+all ranks gather the shards with :func:`nxd_lc.models.llama.hf_adapter.save_hf_weights` (a TP collective);
+global rank 0 writes ``model.safetensors`` (+ index when sharded), ``config.json`` (the run's model config,
+``hf_config_overrides`` such as ``rope_scaling`` included), the run's tokenizer and ``nxd_lc_conversion.json``
+(where the weights came from). The output directory appears atomically: rank 0 writes into a hidden sibling
+staging directory and renames it into place. ``transformers.LlamaForCausalLM.from_pretrained(output)`` loads it,
+and ``model.hf_weights_dir: <output>`` starts another nxd_lc run from it, at any TP/CP size (the reverse
+direction, see :func:`~nxd_lc.models.llama.hf_adapter.load_hf_weights`).
+
+The other direction, NxD's ``--convert_from_full_state``: ``--input_dir <HF dir> --output_dir <root>`` under
+``torchrun --nproc_per_node=<TP>`` writes ``<root>/step=0`` (:func:`convert_hf_to_checkpoint`). NxD's
+``checkpoint_converter`` flags are accepted with their meaning: ``--input_dir`` / ``--output_dir`` (aliases of
+``--checkpoint`` / ``--output``), ``--convert_to_full_state`` / ``--convert_from_full_state``, ``--tp_size`` (must
+equal the processes launched), ``--pp_size`` (checked against the checkpoint read; the stages written),
+``--load_xser`` / ``--save_xser``, ``--kv_size_multiplier`` (``distributed_strategy.kv_replicator``),
+``--qkv_linear`` and ``--fuse_qkv`` (``model.*``; they set the run config's keys).
+
+``--checkpoint`` is a checkpoint directory ``<root>/<tag>`` or a checkpoint root (the newest complete tag of it
+is used). Boolean options take an explicit value (``--overwrite true``, ``--save-tokenizer false``) or none
+(``--overwrite`` alone means true): NxDT's converter declares booleans with ``type=bool``, so ``--flag False``
+there means *True*; :func:`parse_bool` does not repeat that defect. Trailing ``key=value`` arguments are Hydra
+overrides of the run config (e.g. ``model.fuse_qkv=false``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+
+import torch
+
+from nxd_lc.app.convert import compose_run_config, convert_checkpoint_to_hf, convert_hf_to_checkpoint
+from nxd_lc.checkpoint.model_shards import check_layout, check_output, resolve_checkpoint
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+_TRUE = ("true", "1", "yes", "y", "on")
+
+
+_FALSE = ("false", "0", "no", "n", "off")
+
+
+def parse_bool(text: str | bool) -> bool:
+    """Strict boolean for argparse: ``true/false, 1/0, yes/no, y/n, on/off`` (any case) -> bool.
+
+    Raises:
+        argparse.ArgumentTypeError: any other text (argparse turns it into a usage error naming the option).
+    """
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise argparse.ArgumentTypeError(f"expected a boolean (true/false, 1/0, yes/no), got {text!r}")
+
+
+def parse_optional_bool(text: str) -> bool | None:
+    """:func:`parse_bool`, plus ``auto`` / ``none`` -> None (auto-detect)."""
+    if str(text).strip().lower() in ("auto", "none"):
+        return None
+    return parse_bool(text)
+
+
+def build_arg_parser() -> argparse.ArgumentParser:
+    """The converter's command line (see the module docstring)."""
+    p = argparse.ArgumentParser(prog="python -m nxd_lc.cli.convert",
+                                description="Convert an nxd_lc NxD-layout checkpoint into an HF model directory.")
+    p.add_argument("--config-name", required=True, help="run config name in --config-dir (e.g. cpu_tiny_llama_config)")
+    p.add_argument("--config-dir", default="conf", help="Hydra config directory (default: ./conf)")
+    p.add_argument("--checkpoint", "--input_dir", dest="checkpoint", required=True,
+                   help="checkpoint dir <root>/<tag>, or a root (newest tag); with --convert_from_full_state the HF "
+                        "model directory")
+    p.add_argument("--output", "--output_dir", dest="output", required=True,
+                   help="HF output directory; with --convert_from_full_state the checkpoint root (<output>/<tag>)")
+    p.add_argument("--convert_to_full_state", "--convert-to-full-state", type=parse_bool, nargs="?", const=True,
+                   default=None, help="NxD checkpoint -> full (HF) state: the default direction")
+    p.add_argument("--convert_from_full_state", "--convert-from-full-state", type=parse_bool, nargs="?", const=True,
+                   default=False, help="full (HF) state -> NxD checkpoint at --tp_size (= processes) / --pp_size")
+    p.add_argument("--tp_size", "--tp-size", type=int, default=None,
+                   help="TP size: of the checkpoint read, or of the one written; must equal the processes launched")
+    p.add_argument("--pp_size", "--pp-size", type=int, default=None,
+                   help="PP size: of the checkpoint read (checked), or the stages to write (default 1)")
+    p.add_argument("--kv_size_multiplier", "--kv-size-multiplier", type=int, default=None,
+                   help="distributed_strategy.kv_replicator of the model (NxD's name)")
+    p.add_argument("--qkv_linear", "--qkv-linear", type=parse_bool, default=None, help="model.qkv_linear")
+    p.add_argument("--fuse_qkv", "--fuse-qkv", type=parse_bool, default=None, help="model.fuse_qkv")
+    p.add_argument("--save-xser", "--save_xser", dest="save_xser", type=parse_bool, nargs="?", const=True,
+                   default=True, help="--convert_from_full_state: write xser shards (true) or torch.save (false)")
+    p.add_argument("--tag", default="step=0", help="--convert_from_full_state: the checkpoint tag (default step=0)")
+    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None,
+                   help="dtype of the saved tensors (default: the model parameters' dtype)")
+    p.add_argument("--overwrite", type=parse_bool, nargs="?", const=True, default=False,
+                   help="replace an existing non-empty --output (true/false; bare flag = true)")
+    p.add_argument("--save-tokenizer", "--save_tokenizer", dest="save_tokenizer", type=parse_bool, nargs="?",
+                   const=True, default=True, help="copy the run's tokenizer into --output (default true)")
+    p.add_argument("--load-xser", "--load_xser", dest="load_xser", type=parse_optional_bool, default=None,
+                   help="checkpoint format: true (xser), false (torch.save) or auto (default: detect)")
+    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Command-line entry point (module docstring). Returns 0, or 2 after printing a config/input error."""
+    import torch.distributed as dist
+
+    from nxd_lc.config.errors import ConfigError
+    from nxd_lc.runtime.device import init_distributed, launched_world_size
+
+    parser = build_arg_parser()
+    args = parser.parse_args(argv)
+    bad = [o for o in args.overrides if "=" not in o]
+    if bad:
+        parser.error(f"overrides must be key=value, got {bad}")
+    if args.convert_from_full_state and args.convert_to_full_state:
+        parser.error("--convert_to_full_state and --convert_from_full_state: choose one direction")
+    if args.convert_to_full_state is False and not args.convert_from_full_state:
+        parser.error("--convert_to_full_state false needs --convert_from_full_state true (there are two directions)")
+    world = launched_world_size()
+    if args.tp_size is not None and args.tp_size != world:
+        parser.error(f"--tp_size {args.tp_size}: launch one process per TP rank (torchrun --nproc_per_node="
+                     f"{args.tp_size}); {world} launched")
+    # "++": set the key whether or not the run's YAML has it
+    model_overrides = [f"++distributed_strategy.tensor_model_parallel_size={world}"] if args.tp_size else []
+    for flag, key in (("kv_size_multiplier", "distributed_strategy.kv_replicator"),
+                      ("qkv_linear", "model.qkv_linear"), ("fuse_qkv", "model.fuse_qkv")):
+        if getattr(args, flag) is not None:
+            model_overrides.append(f"++{key}={str(getattr(args, flag)).lower()}")
+    if args.pp_size is not None and not args.convert_from_full_state:
+        model_overrides.append(f"++distributed_strategy.pipeline_model_parallel_size={args.pp_size}")
+    args.overrides = model_overrides + list(args.overrides)
+    if not logging.getLogger().handlers:
+        logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
+    created_group = False
+    try:
+        cfg = compose_run_config(args.config_name, args.config_dir, args.overrides)
+        if args.convert_from_full_state:
+            created_group = not dist.is_initialized()
+            init_distributed("cpu")
+            out = convert_hf_to_checkpoint(cfg, args.checkpoint, args.output, tag=args.tag, pp_size=args.pp_size or 1,
+                                           use_xser=args.save_xser)
+            if int(os.environ.get("RANK", "0")) == 0:
+                print(f"wrote checkpoint {out} (TP {world}, PP {args.pp_size or 1}) from HF model {args.checkpoint}")
+            return 0
+        root, tag = resolve_checkpoint(args.checkpoint)  # cheap checks before any process group exists
+        check_layout(cfg, os.path.join(root, tag), launched_world_size())
+        check_output(os.path.abspath(args.output), args.overwrite)
+        created_group = not dist.is_initialized()
+        init_distributed("cpu")
+        out = convert_checkpoint_to_hf(cfg, os.path.join(root, tag), args.output,
+                                       dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
+                                       use_xser=args.load_xser, save_tokenizer=args.save_tokenizer)
+    except (ConfigError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    finally:
+        if created_group and dist.is_initialized():
+            dist.destroy_process_group()
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(f"wrote HF model {out} from checkpoint {os.path.join(root, tag)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
