@@ -388,3 +388,14 @@ def test_checkpoint_block_method_keys() -> None:
     cfg = load_config(_tiny(model=model(activations_checkpoint_granularity="full",
                                         activations_checkpoint_method="block", activations_checkpoint_num_layers=2)))
     assert (cfg.model.activations_checkpoint_method, cfg.model.activations_checkpoint_num_layers) == ("block", 2)
+
+
+def test_demo_config_shorter_than_its_warmup_is_valid() -> None:
+    """A new user's first try (issue 25): the demo config (warm-up 15) with trainer.max_steps=6 validates; the
+    schedule warns at build time and trains the truncated warm-up (tests/test_optim.py) instead of refusing."""
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        raw = compose(config_name="cpu_tiny_llama_config", overrides=["trainer.max_steps=6"])
+    cfg = load_config(raw)
+    assert cfg.trainer.max_steps == 6 and cfg.model.optim.sched.warmup_steps == 15
+    with pytest.raises(ConfigError, match="model.optim.sched.warmup_steps / constant_steps / hold_steps: must be"):
+        load_config(_tiny(model={"optim": {"sched": {"warmup_steps": -1}}}))

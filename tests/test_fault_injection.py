@@ -219,3 +219,23 @@ def test_workers_stop_and_save_when_torchrun_dies(tmp_path: Any) -> None:
     assert not os.path.exists(os.path.join(run, ".nxd_lc.lock"))  # released by the exiting workers
     steps = _steps(run)
     assert len(steps) == 1 and 2 <= steps[0] < 400  # saved at the step boundary where the death was noticed
+
+
+def test_sigterm_during_startup_stops_within_seconds_and_writes_nothing_half(tmp_path: Any) -> None:
+    """SIGTERM to rank 0 while it has written the tokenizer cache to its temporary path and not yet published it
+    (``mid_cache_build``; to the process itself, so the signal lands exactly there): rank 0 stops at once with
+    128 + SIGTERM, torchrun then stops rank 1 (waiting for the cache) the same way; no step, no checkpoint, the
+    cache is not published and its temporary directory is gone. Before issue 25 the signal only set a flag acted on
+    at the first step boundary: start-up ran on (published the cache, trained a step, saved)."""
+    log_dir, cache = str(tmp_path / "run" / "log"), str(tmp_path / "cache")
+    corpus = _small_corpus(tmp_path)
+    out, seconds = _launch(log_dir, corpus, cache, fault="sigterm@mid_cache_build:0:0", max_steps=4)
+    text = out.stdout + out.stderr
+    assert out.returncode != 0, text[-3000:]
+    assert "SIGTERM before the first training step" in text, text[-3000:]
+    assert "reduced_train_loss" not in text and _steps(log_dir) == []
+    leftovers = [os.path.relpath(p, cache) for p in glob.glob(os.path.join(cache, "**", "*"), recursive=True)
+                 if ".tmp-" in os.path.basename(p)]
+    assert leftovers == []
+    assert not glob.glob(os.path.join(cache, "**", "*.json"), recursive=True)  # the tokenizer was not published
+    assert seconds < 120, f"took {seconds:.0f} s"

@@ -298,7 +298,6 @@ def test_scheduler_resume_takes_step_from_state_and_schedule_from_config() -> No
 
 @pytest.mark.parametrize("cfg,max_steps,match", [
     (SchedConfig(name="Cosine"), 10, "unknown schedule 'Cosine'"),
-    (SchedConfig(warmup_steps=12, constant_steps=4, name="CosineAnnealing"), 10, "exceeds the schedule length 10"),
     (SchedConfig(constant_steps=2), 10, "only CosineAnnealing use constant_steps; remove it for Linear"),
     (SchedConfig(name="CosineAnnealing", min_lr=1.0), 10, "model.optim.sched.min_lr"),
     (SchedConfig(), 0, "schedule length must be >= 1"),
@@ -308,6 +307,35 @@ def test_bad_schedule_settings_error(cfg: SchedConfig, max_steps: int, match: st
     opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1e-3), False)
     with pytest.raises(ValueError, match=match):
         build_scheduler(opt, cfg, max_steps)
+
+
+@pytest.mark.parametrize("name", ["CosineAnnealing", "LinearAnnealingWithWarmUp", "WarmupPolicy"])
+def test_run_shorter_than_its_warmup_trains_a_truncated_warmup(name: str, caplog: pytest.LogCaptureFixture) -> None:
+    """NeMo runs warmup_steps >= the schedule length (NxDT's demo-style warm-up 15 with trainer.max_steps 6): the
+    learning rate follows the 15-step ramp for all 6 steps, never reaching lr; warned, not refused (issue 25).
+    Expected values are NeMo's ramps written out: CosineAnnealing / WarmupPolicy lr * (s + 1) / (W + 1),
+    LinearAnnealingWithWarmUp lr * s / W."""
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(name="sgd", lr=1.0), False)
+    with caplog.at_level("WARNING"):
+        sched = build_scheduler(opt, SchedConfig(name=name, warmup_steps=15), 6)
+    assert "warmup_steps: 15 >= the schedule length 6" in caplog.text and "truncated" in caplog.text
+    lrs = []
+    for _ in range(6):
+        lrs.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    expected = [s / 15 for s in range(6)] if name == "LinearAnnealingWithWarmUp" else [(s + 1) / 16 for s in range(6)]
+    assert lrs == pytest.approx(expected)
+
+
+def test_warmup_hold_beyond_the_run_is_warned(caplog: pytest.LogCaptureFixture) -> None:
+    opt = build_optimizer(_Block().named_parameters(), OptimConfig(name="sgd", lr=1.0), False)
+    with pytest.raises(ValueError, match="must be >= 0"):
+        build_scheduler(opt, SchedConfig(name="WarmupHoldPolicy", warmup_steps=-1), 10)
+    with caplog.at_level("WARNING"):
+        sched = build_scheduler(opt, SchedConfig(name="WarmupHoldPolicy", warmup_steps=6, hold_steps=6), 10)
+    assert "warmup 6 + constant 0 + hold 6 exceed the schedule length 10" in caplog.text
+    assert sched.get_last_lr()[0] == pytest.approx(1 / 7)  # NeMo's ramp lr * (0 + 1) / (W + 1) at step 0
 
 
 def test_cosine_constant_steps_beyond_the_run_hold_min_lr_after_warmup(caplog: pytest.LogCaptureFixture) -> None:
@@ -491,7 +519,6 @@ def test_step_lr_and_exponential_lr_match_torch() -> None:
     (SchedConfig(name="StepLR", step_size=2, min_lr=0.1), "model.optim.sched.min_lr: only"),
     (SchedConfig(name="CosineAnnealing", hold_steps=2), "only WarmupHoldPolicy use hold_steps"),
     (SchedConfig(name="WarmupAnnealing", d_model=8), "only NoamAnnealing use d_model"),
-    (SchedConfig(name="WarmupHoldPolicy", warmup_steps=6, hold_steps=6), "hold 6 exceeds the schedule length"),
 ])
 def test_new_schedule_settings_errors(cfg: SchedConfig, match: str) -> None:
     opt = build_optimizer(_Block().named_parameters(), OptimConfig(lr=1.0), False)

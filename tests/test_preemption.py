@@ -7,7 +7,9 @@ import signal
 
 import pytest
 
-from nxd_lc.lightning.preemption import PreemptionCallback, signal_numbers
+from types import SimpleNamespace
+
+from nxd_lc.lightning.preemption import PreemptionCallback, StartupInterrupted, signal_numbers
 
 
 @pytest.mark.compat
@@ -22,7 +24,9 @@ def test_handlers_only_set_a_flag_and_are_restored() -> None:
     before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)}
     cb = PreemptionCallback(["SIGTERM", "SIGUSR1", "SIGINT"])
     cb.install()
-    cb.install()  # again, as on_train_start does after Lightning's connector: the originals are still remembered
+    # again at on_train_start, after Lightning's connector: the originals are still remembered; from here on a
+    # signal only sets the flag (the step boundary acts on it)
+    cb.on_train_start(SimpleNamespace(global_step=0), None)  # type: ignore[arg-type]
     try:
         os.kill(os.getpid(), signal.SIGUSR1)  # default action would end the process
         assert cb.received == signal.SIGUSR1
@@ -42,3 +46,27 @@ def test_parent_death_is_a_changed_ppid() -> None:
     assert not cb.parent_died()
     cb._ppid = -1  # as if the launcher that started us were gone
     assert cb.parent_died()
+
+
+@pytest.mark.compat
+def test_a_signal_before_training_starts_stops_at_once() -> None:
+    """Before on_train_start (tokenizer training, packing, model build) there is no step boundary to wait for:
+    the handler raises StartupInterrupted (a BaseException, so ``except Exception`` does not swallow it), and a
+    ``finally`` on the way runs (the cache writers remove their temporary files there)."""
+    before = signal.getsignal(signal.SIGTERM)
+    cb = PreemptionCallback(["SIGTERM"])
+    cb.install()
+    cleaned = []
+    try:
+        with pytest.raises(StartupInterrupted, match="SIGTERM before the first training step") as info:
+            try:
+                try:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                except Exception:  # noqa: BLE001  (what a careless caller would write)
+                    pytest.fail("StartupInterrupted was caught as an Exception")
+            finally:
+                cleaned.append(True)
+        assert info.value.signum == signal.SIGTERM and cb.received == signal.SIGTERM and cleaned == [True]
+    finally:
+        cb.restore()
+    assert signal.getsignal(signal.SIGTERM) == before

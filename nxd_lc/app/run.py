@@ -234,12 +234,18 @@ def _shutdown_distributed() -> None:
 
 
 def hydra_task(raw: DictConfig) -> None:
-    """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2; the
+    """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2 and a
+    preemption signal before the first step into exit status 128 + signum (:class:`StartupInterrupted`); the
     process groups are released at the end, whatever the outcome."""
+    from nxd_lc.lightning.preemption import StartupInterrupted
+
     try:
         run(raw)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except StartupInterrupted as e:
+        log.warning("%s", e)
+        raise SystemExit(128 + e.signum) from None
     finally:
         _shutdown_distributed()

@@ -6,10 +6,10 @@
         --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints/<tag> --output nxd_lc_runs/hf/cpu_tiny_llama
 
 Runs at the checkpoint's tensor-parallel size (one process per TP rank; a checkpoint saved with pipeline stages is
-gathered: each rank loads its TP shard of every stage; a checkpoint saved with expert parallelism, ``dp_rank_00_ep_rank_XX_...`` files, needs TP x EP processes, each loading its EP rank's experts,
-gathered over EP on export). Every rank builds the model
-of the run's config (sharded at construction, as in training), loads its own model shard
-(``<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt``, xser or plain, via
+gathered: each rank loads its TP shard of every stage; a checkpoint saved with expert parallelism,
+``dp_rank_00_ep_rank_XX_...`` files, needs TP x EP processes, each loading its EP rank's experts, gathered over EP
+on export). Every rank builds the model of the run's config (sharded at construction, as in training), loads its
+own model shard (``<tag>/model/dp_rank_00_tp_rank_XX_pp_rank_YY.pt``, xser or plain, via
 :func:`nxd_lc.checkpoint.sharded.load_checkpoint`; keys are the LightningModule's ``model.<name>``), and then
 all ranks gather the shards with :func:`nxd_lc.models.llama.hf_adapter.save_hf_weights` (a TP collective);
 global rank 0 writes ``model.safetensors`` (+ index when sharded), ``config.json`` (the run's model config,

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING
 
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import TokenizerConfig
+from nxd_lc.runtime import faults
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -95,6 +96,7 @@ def build_once(path: str, build: Callable[[str], None], *, is_builder: bool | No
         tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         try:
             build(tmp)
+            faults.inject("mid_cache_build", 0)  # fault-injection point (nothing unless NXD_LC_FAULT is set)
             built = _publish(tmp, path)
         finally:
             _remove(tmp)

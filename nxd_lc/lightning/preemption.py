@@ -19,6 +19,13 @@ process exits 0. The work lost is therefore at most the step that was running wh
 exit is the rest of that step plus one save (the README lists measured figures). A second SIGINT raises
 ``KeyboardInterrupt`` at once (for a user who does not want to wait).
 
+Before training starts (configuration, tokenizer training, packing, model build, checkpoint restore) there is no
+step boundary to wait for and nothing to save: the handlers then raise :class:`StartupInterrupted` at once, so the
+run stops within seconds (torchrun would otherwise SIGKILL the workers after its grace period). Every cache written
+during start-up goes to a temporary path published by one ``os.replace`` (:func:`nxd_lc.data.tokenizer.build_once`
+and the cache writers), and the temporary path is removed as the exception unwinds, so nothing is left half
+written. From ``on_train_start`` on, the handlers only set the flag.
+
 The same vote also tells when an asynchronous save has been written by every rank, so that it is published at the
 first step boundary after that (see :meth:`nxd_lc.lightning.strategy.NxDStrategy.publish_async_save`).
 """
@@ -42,6 +49,21 @@ log = logging.getLogger(__name__)
 #: signals ``exp_manager.preemption_signals`` may name
 PREEMPTION_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT", "SIGHUP")
 _Handler = Union[Callable[[int, Optional[FrameType]], Any], int, None]
+
+
+class StartupInterrupted(BaseException):
+    """A preemption signal arrived before the first training step (nothing to save): raised by the handler of
+    :class:`PreemptionCallback` until ``on_train_start``. A ``BaseException`` like ``KeyboardInterrupt``, so no
+    ``except Exception`` on the way swallows it; ``train.py`` exits with status ``128 + signum``.
+
+    Attributes:
+        signum: the signal number that arrived.
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"{signal.Signals(signum).name} before the first training step: stopped (no step was taken, "
+                         "nothing to save)")
 
 
 def signal_numbers(names: list[str]) -> list[int]:
@@ -75,10 +97,16 @@ class PreemptionCallback(pl.Callback):
         self._ppid = os.getppid()
         self._last_step = -1
         self._signal_time: Optional[float] = None
+        self._training = False  # until on_train_start a signal stops the run at once (StartupInterrupted)
 
     # ---------------------------------------------------------------- handlers
     def _handler(self, signum: int, frame: Optional[FrameType]) -> None:
-        """Runs inside the signal: set the flag, nothing else (no I/O beyond a log line, no collective)."""
+        """Runs inside the signal: set the flag, nothing else (no I/O beyond a log line, no collective); before
+        training started, raise :class:`StartupInterrupted` instead (nothing to save, no collective in flight that
+        a step boundary would wait for)."""
+        if not self._training:
+            self.received = signum
+            raise StartupInterrupted(signum)
         if signum == signal.SIGINT:
             self._sigint_count += 1
             if self._sigint_count > 1:
@@ -90,10 +118,10 @@ class PreemptionCallback(pl.Callback):
     def install(self) -> None:
         """Install the flag-only handlers (main thread only), remembering the handlers found the first time.
 
-        Called as early as possible in a run (``train.py``, before the model is built, so that a signal during
-        start-up or checkpoint restore is kept for the first step boundary) and again at ``on_train_start``,
-        after Lightning's signal connector registered its own SIGTERM handler (which would run a collective
-        inside the handler).
+        Called as early as possible in a run (``train.py``, before the data and model are built, so that a signal
+        during start-up stops the run at once: :class:`StartupInterrupted`) and again at ``on_train_start``, after
+        Lightning's signal connector registered its own SIGTERM handler (which would run a collective inside the
+        handler), from where on a signal only sets the flag for the next step boundary.
         """
         for s in self.signums:
             if s not in self._previous:
@@ -109,6 +137,7 @@ class PreemptionCallback(pl.Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """Install after Lightning's signal connector registered its handlers (it does so before this hook)."""
         self._last_step = trainer.global_step
+        self._training = True
         self.install()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -134,6 +134,24 @@ def _check_keys(sched_cfg: SchedConfig) -> None:
         raise ValueError(f"model.optim.sched.gamma: must be > 0, got {sched_cfg.gamma}")
 
 
+def _long_phases_message(sched_cfg: SchedConfig, max_steps: int) -> str:
+    """The warning for warm-up + constant + hold steps beyond the schedule length ``max_steps``: NeMo runs such a
+    config with its formulas unchanged (no error), so nxd_lc does too and says what the learning rate does."""
+    w, c, h = sched_cfg.warmup_steps, sched_cfg.constant_steps, sched_cfg.hold_steps
+    if sched_cfg.name == "CosineAnnealing" and c > 0 and w + h <= max_steps:
+        # NeMo's formula with D = M - C - W < 0: min_lr from the end of warm-up on (NxDT's megatron_gpt example)
+        return (f"model.optim.sched: warmup {w} + constant_steps {c} exceed the schedule length {max_steps}, so "
+                f"NeMo's CosineAnnealing holds min_lr {sched_cfg.min_lr:g} from the end of warm-up (no cosine decay), "
+                "as NeMo / NxDT train this config; lower constant_steps to get a decay")
+    if w >= max_steps:
+        return (f"model.optim.sched.warmup_steps: {w} >= the schedule length {max_steps} (trainer.max_steps or "
+                f"sched.max_steps): the run ends inside the warm-up, which is truncated (the learning rate follows "
+                f"the {w}-step ramp and never reaches model.optim.lr), as NeMo trains this config; lower warmup_steps "
+                "for a complete warm-up")
+    return (f"model.optim.sched: warmup {w} + constant {c} + hold {h} exceed the schedule length {max_steps}: the "
+            "run ends before the decay phase (NeMo's formulas, unchanged); lower them to get a decay")
+
+
 def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
     """Raise ValueError naming the key for schedule settings no formula can honour."""
     if max_steps < 1:
@@ -143,18 +161,8 @@ def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
         raise ValueError(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
                          f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps} / {sched_cfg.hold_steps}")
     total = sched_cfg.warmup_steps + sched_cfg.constant_steps + sched_cfg.hold_steps
-    if total > max_steps and sched_cfg.name == "CosineAnnealing" and sched_cfg.constant_steps > 0 \
-            and sched_cfg.warmup_steps + sched_cfg.hold_steps <= max_steps:
-        # NeMo's formula with D = M - C - W < 0: min_lr from the end of warm-up on (NxDT's megatron_gpt example)
-        if os.environ.get("RANK", "0") == "0":
-            log.warning("model.optim.sched: warmup %d + constant_steps %d exceed the schedule length %d, so NeMo's "
-                        "CosineAnnealing holds min_lr %g from the end of warm-up (no cosine decay), as NeMo / NxDT "
-                        "train this config; lower constant_steps to get a decay", sched_cfg.warmup_steps,
-                        sched_cfg.constant_steps, max_steps, sched_cfg.min_lr)
-    elif total > max_steps:
-        raise ValueError(f"model.optim.sched.warmup_steps: warmup {sched_cfg.warmup_steps} + constant "
-                         f"{sched_cfg.constant_steps} + hold {sched_cfg.hold_steps} exceeds the schedule "
-                         f"length {max_steps}")
+    if total > max_steps and os.environ.get("RANK", "0") == "0":
+        log.warning(_long_phases_message(sched_cfg, max_steps))
     _check_keys(sched_cfg)
     if sched_cfg.min_lr < 0 or any(sched_cfg.min_lr > lr for lr in lrs):
         raise ValueError(f"model.optim.sched.min_lr: {sched_cfg.min_lr} must be >= 0 and <= model.optim.lr "

@@ -3,7 +3,9 @@
 Unset (the normal case) nothing happens. Set, the process of global rank ``<rank>`` (default 0) performs
 ``<action>`` when it reaches ``<point>`` of optimizer step ``<step>`` (``global_step`` after that step):
 
-* points: ``mid_step`` (the step's first micro-batch is starting: the fault lands while the step runs),
+* points: ``mid_cache_build`` (step 0: a data / tokenizer cache has been written to its temporary path during
+  start-up, before it is published: the fault lands before the first step), ``mid_step`` (the step's first
+  micro-batch is starting: the fault lands while the step runs),
   ``mid_save`` (the checkpoint of that step has written its first file into the staging directory, the rest not),
   ``after_publish`` (the checkpoint of that step was just published: ``done`` and ``newest`` are on disk);
 * actions: ``kill9`` (SIGKILL to this process: a crash, an OOM kill, a node loss), ``sigterm_launcher``
@@ -19,7 +21,7 @@ from __future__ import annotations
 import os
 import signal
 
-POINTS = ("mid_step", "mid_save", "after_publish")
+POINTS = ("mid_cache_build", "mid_step", "mid_save", "after_publish")
 ACTIONS = ("kill9", "sigterm_launcher", "sigterm")
 
 

@@ -58,10 +58,10 @@ def choice_problems(cfg: NxdConfig) -> list[str]:
         p.append(f"bucket_size_collectives: must be >= 1 MiB (or null for 64), got {cfg.bucket_size_collectives}")
     if cfg.trainer.log_every_n_steps < 1:
         p.append(f"trainer.log_every_n_steps: must be >= 1, got {cfg.trainer.log_every_n_steps}")
-    sched = cfg.model.optim.sched
-    if sched.max_steps is not None and sched.warmup_steps + sched.constant_steps + sched.hold_steps > sched.max_steps:
-        p.append(f"model.optim.sched.warmup_steps: warmup {sched.warmup_steps} + constant {sched.constant_steps} + "
-                 f"hold {sched.hold_steps} exceeds sched.max_steps {sched.max_steps}")
+    sched = cfg.model.optim.sched  # phases longer than the run are NeMo's behaviour: warned at build time
+    if min(sched.warmup_steps, sched.constant_steps, sched.hold_steps) < 0:
+        p.append(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
+                 f"{sched.warmup_steps} / {sched.constant_steps} / {sched.hold_steps}")
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
     return p + precision_problems(cfg) + alignment_problems(cfg)
