@@ -36,3 +36,26 @@ def data_parallel_size(cfg: NxdConfig) -> int:
     ds = cfg.distributed_strategy
     mp = ds.tensor_model_parallel_size * ds.pipeline_model_parallel_size * ds.context_parallel_size
     return max(1, (cfg.trainer.devices * cfg.trainer.num_nodes) // max(mp, 1))
+
+
+def microbatch_problem(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> str | None:
+    """The config problem when ``global_batch_size`` is not a whole number of ``micro_batch_size x DP`` batches
+    (NxD's ``num_microbatches``, Lightning's gradient accumulation), else None: the one wording of this rule for
+    validation, the data modules and the trainer."""
+    if micro_batch_size < 1 or data_parallel_size < 1 or global_batch_size % (micro_batch_size * data_parallel_size):
+        return (f"data.global_batch_size: {global_batch_size} is not divisible by micro_batch_size x DP = "
+                f"{micro_batch_size} x {data_parallel_size}; gradient accumulation = global / (micro x DP) must be "
+                "an integer")
+    return None
+
+
+def num_microbatches(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """``global_batch_size / (micro_batch_size x DP)``: micro-batches per optimizer step and DP rank (NxD).
+
+    Raises:
+        ValueError: not a whole number (:func:`microbatch_problem`'s message, naming ``data.global_batch_size``).
+    """
+    problem = microbatch_problem(global_batch_size, micro_batch_size, data_parallel_size)
+    if problem is not None:
+        raise ValueError(problem)
+    return global_batch_size // (micro_batch_size * data_parallel_size)

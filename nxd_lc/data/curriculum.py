@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 from torch.utils.data import DataLoader
 
+from nxd_lc.config.access import num_microbatches
 from nxd_lc.config.schema import DataConfig
 from nxd_lc.data.datamodule import PretrainingDataModule
 from nxd_lc.data.sampler import PretrainingSampler
@@ -90,10 +91,7 @@ def parse_curriculum(entries: Sequence[Mapping[str, Any]], *, micro_batch_size: 
     """
     if not entries:
         raise ValueError("data.curriculum: empty; give at least one {until_step, seq_length} stage or remove it")
-    if global_batch_size % (micro_batch_size * data_parallel_size):
-        raise ValueError(f"data.global_batch_size {global_batch_size} is not divisible by micro_batch_size x DP = "
-                         f"{micro_batch_size} x {data_parallel_size}")
-    n_micro = global_batch_size // (micro_batch_size * data_parallel_size)
+    n_micro = num_microbatches(global_batch_size, micro_batch_size, data_parallel_size)
     stages: list[CurriculumStage] = []
     start = 0
     for i, raw in enumerate(entries):

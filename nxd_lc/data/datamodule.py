@@ -34,6 +34,7 @@ import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
 
+from nxd_lc.config.access import num_microbatches
 from nxd_lc.config.schema import DataConfig
 from nxd_lc.data.mixture import MixtureDataset
 from nxd_lc.data.packing import (
@@ -118,9 +119,7 @@ class PretrainingDataModule(pl.LightningDataModule):
         if seq_length < 1:
             raise ValueError(f"data.seq_length: must be >= 1, got {seq_length}; set data.seq_length or "
                              "model.encoder_seq_length")
-        if global_batch_size % (data_cfg.micro_batch_size * data_parallel_size) != 0:
-            raise ValueError(f"data.global_batch_size: {global_batch_size} is not divisible by micro_batch_size x "
-                             f"DP = {data_cfg.micro_batch_size} x {data_parallel_size}")
+        num_microbatches(global_batch_size, data_cfg.micro_batch_size, data_parallel_size)  # ValueError if not whole
         self.cfg = data_cfg.resolved()  # unset pretraining / alignment keys at their effective values
         self.seq_length = seq_length
         self.seed = seed

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import pytorch_lightning as pl
 
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
+from nxd_lc.config.access import num_microbatches as microbatches_of
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.curriculum import curriculum_stages, stage_at
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
@@ -20,7 +21,7 @@ from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
 
 def num_microbatches(cfg: NxdConfig) -> int:
     """global_batch_size / (micro_batch_size * DP) — validated to be an integer (NxD's num_microbatches)."""
-    return cfg.data.global_batch_size // (cfg.data.micro_batch_size * data_parallel_size(cfg))
+    return microbatches_of(cfg.data.global_batch_size, cfg.data.micro_batch_size, data_parallel_size(cfg))
 
 
 def gradient_accumulation_steps(cfg: NxdConfig) -> int:

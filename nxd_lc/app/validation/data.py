@@ -7,7 +7,7 @@ import os
 from collections.abc import Mapping
 
 from nxd_lc.app.validation.parallel import length_divisibility_problems
-from nxd_lc.config.access import data_parallel_size, model_seq_length, resolve_path, seq_length
+from nxd_lc.config.access import data_parallel_size, microbatch_problem, model_seq_length, resolve_path, seq_length
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.megatron_dataset import megatron_data_problems
 from nxd_lc.data.retrieval_tasks import TASKS
@@ -22,9 +22,9 @@ def batch_problems(cfg: NxdConfig) -> list[str]:
         p.append("data.micro_batch_size / data.global_batch_size: must be >= 1")
         return p
     dp = data_parallel_size(cfg)
-    if d.global_batch_size % (d.micro_batch_size * dp) != 0:
-        p.append(f"data.global_batch_size: {d.global_batch_size} is not divisible by micro_batch_size x DP = "
-                 f"{d.micro_batch_size} x {dp}; gradient accumulation = global / (micro x DP) must be an integer")
+    problem = microbatch_problem(d.global_batch_size, d.micro_batch_size, dp)
+    if problem is not None:
+        p.append(problem)
     s = seq_length(cfg)
     if s is None:
         p.append("data.seq_length: not set and model.encoder_seq_length is not set either; set one of them")

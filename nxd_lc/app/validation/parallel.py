@@ -6,7 +6,14 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from nxd_lc.config.access import data_parallel_size, peft_config, resolve_path, seq_length
+from nxd_lc.config.access import (
+    data_parallel_size,
+    microbatch_problem,
+    num_microbatches,
+    peft_config,
+    resolve_path,
+    seq_length,
+)
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.pipeline.split import split_problems
 from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
@@ -178,8 +185,8 @@ def pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
         p.append(f"distributed_strategy.virtual_pipeline_model_parallel_size: {vpp} needs "
                  "pipeline_model_parallel_size > 1; set it to 1 or raise pipeline_model_parallel_size")
     dp = data_parallel_size(cfg)
-    if vpp > 1 and pp > 1 and d.micro_batch_size > 0 and d.global_batch_size % (d.micro_batch_size * dp) == 0:
-        n = d.global_batch_size // (d.micro_batch_size * dp)
+    if vpp > 1 and pp > 1 and microbatch_problem(d.global_batch_size, d.micro_batch_size, dp) is None:
+        n = num_microbatches(d.global_batch_size, d.micro_batch_size, dp)
         if n % pp:
             p.append(f"data.global_batch_size: interleaved pipeline (virtual_pipeline_model_parallel_size {vpp}) "
                      f"needs num_microbatches = global_batch_size / (micro_batch_size x DP) = {n} divisible by "
