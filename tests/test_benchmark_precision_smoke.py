@@ -41,7 +41,8 @@ def test_worker_result_fields(raw) -> None:
         assert point["status"] == "ok" and point["mode"] == label and point["seq_len"] == SEQ_LEN
         assert len(point["step_s"]) == 2 and all(t > 0 for t in point["step_s"])
         assert len(point["losses"]) == 3 and all(abs(x) < 100 for x in point["losses"])
-        assert point["peak_rss"] >= point["rss_after_build"] > 0
+        # VmHWM / VmRSS are read from lazily synced counters: a few pages of slack (tests/test_benchmark_smoke.py)
+        assert point["peak_rss"] >= point["rss_after_build"] - 2**20 and point["rss_after_build"] > 0
         assert set(point["state_bytes"]) == {"params", "grads", "master_weights", "optimizer_state", "total"}
         peak = point["step_tensor_peak"]
         assert peak["peak"] == max(peak["forward_backward"], peak["optimizer_step"]) > peak["before"] > 0

@@ -64,7 +64,9 @@ def test_same_weights_same_data_same_losses(assets, tmp_path: Path) -> None:
     assert hf["status"] == nxd["status"] == "ok"
     assert len(hf["losses"]) == 2
     assert nxd["losses"] == pytest.approx(hf["losses"], rel=1e-5)
-    assert hf["peak_rss"] >= hf["rss_after_build"] > 0
+    # VmHWM (peak) and VmRSS (after build) come from the kernel's per-thread RSS counters, synced lazily: a VmRSS read
+    # can exceed the VmHWM read by a few pages (seen: 8 KiB on 700 MB). 1 MiB of slack keeps the check meaningful.
+    assert hf["peak_rss"] >= hf["rss_after_build"] - 2**20 and hf["rss_after_build"] > 0
 
 
 def test_fake_estimate_equals_real_accounting(assets, tmp_path: Path) -> None:

@@ -4,7 +4,7 @@
         base="base model (512, RoPE unscaled)" yarn_zero_shot="base + YaRN x4, zero-shot" ...
 
 Each ``name=label`` names a sub-directory of the output directory holding a ``retrieval.json`` written by
-``python -m nxd_lc.cli.passkey`` / ``nxd_lc.eval.niah``; missing ones are skipped.
+``python -m nxd_lc.cli.passkey`` / ``nxd_lc.cli.niah``; missing ones are skipped.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ from nxd_lc.eval.retrieval import SCORINGS, evaluate_grid, format_table
 
 
 def build_arg_parser(prog: str, default_tasks: Sequence[str]) -> Any:
-    """The command line of ``python -m nxd_lc.cli.passkey`` / ``nxd_lc.eval.niah``."""
+    """The command line of ``python -m nxd_lc.cli.passkey`` / ``nxd_lc.cli.niah``."""
     import argparse
 
     p = argparse.ArgumentParser(prog=prog, description="Retrieval accuracy of a run config's model over a context "
