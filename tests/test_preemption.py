@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
-
-from types import SimpleNamespace
 
 from nxd_lc.lightning.preemption import PreemptionCallback, StartupInterrupted, signal_numbers
 

@@ -171,6 +171,9 @@ class DataConfig:
     dev_choose_samples: Optional[int] = None  # alignment: keep only the first N records of train_dir / val_dir
     input_key: Optional[str] = None  # alignment (NxDT SFT records): key of the prompt text (unset: input)
     output_key: Optional[str] = None  # alignment (NxDT SFT records): key of the response text (unset: output)
+    # NxDT's older SFT layout (nxd_lc.config.sft_style_layout): both keys are consumed when the config is loaded
+    use_sft_style_data_module: Optional[bool] = None  # NxDT's old SFT layout: true = model_alignment_strategy.sft
+    packing: Optional[bool] = None  # NxDT's old SFT layout: read as model_alignment_strategy.sft.packing
     # pretraining, Megatron indexed data (nxd_lc.data.megatron_dataset): the <prefix>.bin/.idx files, as a prefix,
     # a blend [w1, prefix1, w2, prefix2, ...], or {train: ..., validation: ..., test: ...} (then no splits_string)
     data_prefix: Optional[Any] = None

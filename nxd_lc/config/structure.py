@@ -1,7 +1,7 @@
 """Structural checks of a raw config against the schema, before any domain rule: interpolations resolved,
-NxDT key aliases and moved keys applied, unknown keys ("did you mean"), per-key types. The result is the typed
-:class:`~nxd_lc.config.schema.NxdConfig`; the cross-field rules live with their packages and are collected by
-:func:`nxd_lc.app.validation.load_config`.
+NxDT key aliases, moved keys and NxDT's older SFT layout (:mod:`nxd_lc.config.sft_style_layout`) applied, unknown
+keys ("did you mean"), per-key types. The result is the typed :class:`~nxd_lc.config.schema.NxdConfig`; the
+cross-field rules live with their packages and are collected by :func:`nxd_lc.app.validation.load_config`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from omegaconf.errors import OmegaConfBaseException
 from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.config.schema import KEY_ALIASES, MOVED_KEYS, NxdConfig
+from nxd_lc.config.sft_style_layout import map_sft_style_layout
 
 log = logging.getLogger(__name__)
 
@@ -146,6 +147,7 @@ def _move_keys(data: dict[str, Any], problems: list[str]) -> None:
 
 def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
     _move_keys(data, problems)
+    map_sft_style_layout(data, problems)  # data.use_sft_style_data_module / data.packing -> model_alignment_strategy
     for alias, canonical in KEY_ALIASES:
         node, leaf = _parent(data, alias)
         target = canonical.rsplit(".", 1)[-1]

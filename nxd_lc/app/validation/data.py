@@ -164,6 +164,15 @@ def data_source_problems(cfg: NxdConfig) -> list[str]:
             + tokenizer_problems(cfg.data.tokenizer))
 
 
+def sft_style_problems(cfg: NxdConfig) -> list[str]:
+    """``data.use_sft_style_data_module`` / ``data.packing`` (NxDT's older SFT layout) are read as
+    ``model_alignment_strategy.sft`` when a config is loaded (:mod:`nxd_lc.config.sft_style_layout`), which leaves
+    them unset; a typed config built in code with them set would have them ignored, so they are refused."""
+    return [f"data.{key}: NxDT's older SFT layout, read as model_alignment_strategy.sft when a YAML / dict config is "
+            "loaded (nxd_lc.config.structure.typed_config); in a typed config set model_alignment_strategy.sft "
+            "instead" for key in ("use_sft_style_data_module", "packing") if getattr(cfg.data, key) is not None]
+
+
 def path_problems(cfg: NxdConfig) -> list[str]:
     """Input paths that must exist at launch: data dirs, tokenizer dir, resume_from_checkpoint."""
     import glob
