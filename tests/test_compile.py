@@ -10,6 +10,8 @@ lane 2 runs the two single-process ones).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -79,9 +81,22 @@ def _worker(rank: int, world: int, tp: int, algos: list[str], config: LlamaConfi
             backend: str, atol: float, memories: list[tuple[Any, ...]] | None = None,
             batches: tuple[str, ...] = (), sp_only: bool = False) -> None:
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=world // tp)
-    torch._inductor.config.force_disable_caches = True  # compile now: no graph from an earlier run's disk cache
     for memory in memories or [NO_MEMORY]:
         _compiled_step_checks(tp, algos, config, ref, backend, atol, memory, batches, sp_only)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def fresh_inductor_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One inductor cache for this module's tests, empty at the start: every graph is compiled in this run (no
+    artifact of an earlier run on this machine is used), and a graph or C++ kernel compiled once (by another test,
+    or by the other rank of a TP 2 run) is reused (CI time). The spawned ranks and train.py inherit it."""
+    previous = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path_factory.mktemp("inductor_cache"))
+    yield
+    if previous is None:
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR")
+    else:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = previous
 
 
 @pytest.fixture(scope="module")
