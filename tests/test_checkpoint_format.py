@@ -27,6 +27,7 @@ from nxd_lc.checkpoint import (
     save_checkpoint,
     save_xser,
 )
+from nxd_lc.checkpoint.xser import UnsafeCheckpointError, set_weights_only
 
 pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/testing.md)
 
@@ -91,6 +92,17 @@ def test_xser_round_trip_nested(tmp_path: Any) -> None:
     path = str(tmp_path / "obj.pt")
     save_xser(obj, path)
     assert sorted(os.listdir(path + ".tensors")) == sorted(f"tensor_{i}.pt" for i in range(10))
+    # a custom class (the namedtuple) is code, not data: refused by default, read with the documented opt-in
+    # (exp_manager.checkpoint_weights_only: false; tests/test_safe_loading.py); nxd_lc's own files hold none
+    with pytest.raises(UnsafeCheckpointError, match="test_checkpoint_format.Point"):
+        load_xser(path)
+    set_weights_only(False)
+    try:
+        _assert_same(obj, load_xser(path))
+    finally:
+        set_weights_only(True)
+    del obj["named"]
+    save_xser(obj, path)
     _assert_same(obj, load_xser(path))
 
 

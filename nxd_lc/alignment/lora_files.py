@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from nxd_lc.checkpoint.xser import safe_torch_load
 from nxd_lc.config.peft_schema import PEFT_KEY, PeftConfig
 
 log = logging.getLogger(__name__)
@@ -116,7 +117,7 @@ def load_adapters(model: nn.Module, peft: PeftConfig, path: str) -> None:
     file = os.path.join(path, shard_file_name()) if sharded else path
     if not os.path.isfile(file):
         raise FileNotFoundError(f"{PEFT_KEY}.lora_ckpt_path: no adapter file {file}")
-    state = torch.load(file, map_location="cpu", weights_only=True)
+    state = safe_torch_load(file)  # restricted unpickler: a file holding code is refused (UnsafeCheckpointError)
     saved = state.pop(LORA_CONFIG_KEY, None)
     config_json = os.path.join(path if sharded else os.path.dirname(file), ADAPTER_CONFIG_FILE)
     if saved is None and os.path.isfile(config_json):

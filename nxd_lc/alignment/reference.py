@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from nxd_lc.checkpoint.xser import safe_torch_load
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import resolved_max_prompt_length
 from nxd_lc.distributed import collectives
@@ -326,7 +327,7 @@ def load_reference_tables(path: str, fingerprint: str, sizes: dict[str, int],
     tables = None
     if os.path.isfile(path):
         try:
-            payload = torch.load(path, map_location="cpu", weights_only=True)
+            payload = safe_torch_load(path)  # UnsafeCheckpointError (names the global) for a file holding code
             got = payload.get("tables", {})
             if payload.get("fingerprint") == fingerprint and set(got) == set(sizes) and all(
                     tuple(got[k].shape) == (n, len(REFERENCE_COLUMNS)) for k, n in sizes.items()):

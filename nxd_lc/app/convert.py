@@ -29,6 +29,7 @@ from nxd_lc.checkpoint.model_shards import (
     stage_state,
     write_provenance,
 )
+from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.layers.lora import merge_lora
 
@@ -135,12 +136,14 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         FileNotFoundError: missing / incomplete checkpoint, missing shard.
         ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
             shard that does not fit the config's model.
+        nxd_lc.checkpoint.xser.UnsafeCheckpointError: a shard names a global outside the allowed set (nothing run).
     """
     from nxd_lc.config.access import peft_config
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
+    set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # the run's policy for reading its checkpoint
     root, tag = resolve_checkpoint(checkpoint)
     tag_dir = os.path.join(root, tag)
     tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())

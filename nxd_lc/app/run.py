@@ -21,6 +21,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from nxd_lc.app.build import build_model, load_model_weights, save_lora_outputs
 from nxd_lc.app.validation import check_supported, load_config, path_problems, unsupported_features
+from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
 from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
@@ -70,6 +71,7 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         print(dry_run(cfg))
         return None
     check_supported(cfg)
+    set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # before any checkpoint / adapter / cache is read
     from nxd_lc.lightning.preemption import PreemptionCallback
 
     # from here on the preemption signals only set a flag, acted on at a step boundary (nxd_lc.lightning.preemption)

@@ -27,7 +27,9 @@ older ``<tag>`` aside first and deleting it only after the rename), then rewrite
 temporary file and ``os.replace``. Files and directories are fsynced. Hidden (dot) directories
 are never listed, so a crashed save is invisible to :func:`latest_checkpoint`;
 :func:`cleanup_partial` removes its leftovers. The root must be one filesystem visible to all
-ranks (as in NxD). Checkpoint files are pickles: load only checkpoints you trust.
+ranks (as in NxD). Checkpoint files are read with the restricted unpickler
+(:func:`~nxd_lc.checkpoint.xser.safe_torch_load`): a file that names a global outside the allowed set is refused
+(:class:`~nxd_lc.checkpoint.xser.UnsafeCheckpointError`), never run.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import torch
 
 from nxd_lc.checkpoint import integrity
 from nxd_lc.checkpoint.xser import (
+    UnsafeCheckpointError,
     compact_cpu,
     fsync_dir,
     load_structure,
@@ -526,7 +529,7 @@ def _named_read(path: str, read: Callable[[], Any]) -> Any:
     """``read()``, turning an unreadable file (truncated, not a pickle) into an error that names ``path``."""
     try:
         return read()
-    except (FileNotFoundError, integrity.CheckpointIntegrityError):
+    except (FileNotFoundError, integrity.CheckpointIntegrityError, UnsafeCheckpointError):
         raise
     except Exception as e:  # noqa: BLE001 - torch.load raises RuntimeError / UnpicklingError / EOFError ...
         raise integrity.CheckpointIntegrityError(

@@ -22,15 +22,23 @@ Interop with torch-xla in both directions (tested in the XLA lane, ``tests/test_
   torch-xla does not need to be installed. torch-xla's ``save`` keeps CPU tensors inline in the structure file
   (only XLA tensors become references); those load as they are.
 
-The structure file is a full pickle (``weights_only=False``): load only checkpoints you trust,
-exactly as with NxD/torch-xla. Tensor files are loaded with ``weights_only=True``.
+A checkpoint is data, never code: every file is read with ``torch.load(weights_only=True)`` (torch's restricted
+unpickler: containers, tensors, numbers, strings and the globals allowed by :data:`SAFE_GLOBALS`, i.e. our
+:class:`TensorReference` under its own name and under torch-xla's and NxD's reference class names, so their
+checkpoints keep loading without torch-xla). A file that names any other global (a ``__reduce__`` to ``os.system``,
+an arbitrary class) is refused by the unpickler before the global is looked up, so nothing in it runs:
+:class:`UnsafeCheckpointError` names the file and the global. NxD / torch-xla load these files with a full pickle;
+a trusted legacy checkpoint with custom objects can still be read that way with
+``exp_manager.checkpoint_weights_only: false`` (:func:`set_weights_only`; warned at start).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import pickle
+import re
 import shutil
 import types
 from collections.abc import Callable
@@ -39,13 +47,16 @@ from typing import Any
 import torch
 
 __all__ = [
+    "SAFE_GLOBALS",
     "TensorReference",
+    "UnsafeCheckpointError",
     "compact_cpu",
     "fsync_dir",
     "load_structure",
     "load_xser",
     "map_tensors",
     "save_xser",
+    "set_weights_only",
     "tensor_file",
     "tensors_dir",
     "torch_save_file",
@@ -73,6 +84,62 @@ class TensorReference:
 
     def __repr__(self) -> str:
         return f"TensorReference(tid={self.tid})"
+
+
+#: The globals a checkpoint / cache file may name besides torch's own weights-only set: our reference class, and the
+#: foreign reference classes mapped onto it (``(object, "module.qualname")``: torch's safe_globals form, torch >= 2.6).
+SAFE_GLOBALS: list[Any] = [TensorReference] + [(TensorReference, f"{m}.{n}")
+                                                for m, n in sorted(_FOREIGN_REFERENCE_CLASSES)]
+
+_WEIGHTS_ONLY = [True]  # process-wide policy: exp_manager.checkpoint_weights_only (set once at start-up)
+log = logging.getLogger(__name__)
+
+
+class UnsafeCheckpointError(pickle.UnpicklingError):
+    """A checkpoint, cache or adapter file names a global nxd_lc does not load (it would run code).
+
+    Attributes:
+        path: the file.
+        refused: the global it names (``module.name``), or None when torch's message did not say.
+    """
+
+    def __init__(self, path: str, refused: str | None, detail: str) -> None:
+        self.path, self.refused = path, refused
+        what = f"the global {refused!r}" if refused else "an object outside the allowed types"
+        super().__init__(f"{path}: refused: the file holds {what}, which nxd_lc does not load (a checkpoint is data, "
+                         f"never code; nothing in the file was run). If you trust the file and need it, set "
+                         f"exp_manager.checkpoint_weights_only: false (full unpickling). Detail: {detail}")
+
+
+def set_weights_only(enabled: bool) -> None:
+    """``exp_manager.checkpoint_weights_only``: True (default) reads every file with the restricted unpickler; False
+    allows full unpickling of trusted legacy files (logged as a warning). Called once at start-up."""
+    _WEIGHTS_ONLY[0] = bool(enabled)
+    if not enabled:
+        log.warning("exp_manager.checkpoint_weights_only: false: checkpoint files are read with full unpickling, "
+                    "which runs any code they contain; load only checkpoints you trust")
+
+
+def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
+    """``torch.load`` of ``path`` with the restricted unpickler and :data:`SAFE_GLOBALS` (full unpickling only
+    under ``set_weights_only(False)``).
+
+    Raises:
+        UnsafeCheckpointError: the file names a global outside the allowed set (names the file and the global).
+    """
+    if not _WEIGHTS_ONLY[0]:
+        return torch.load(path, map_location=map_location, pickle_module=_xser_pickle_module, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(SAFE_GLOBALS):
+            return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as e:
+        text = str(e)
+        if "Weights only load failed" not in text:
+            raise
+        found = re.search(r"GLOBAL ([\w.]+)", text) or re.search(r"global[: ]+'?([\w.]+)", text)
+        detail = next((line.strip() for line in text.splitlines() if "Unsupported" in line or "GLOBAL" in line),
+                      text.splitlines()[0])
+        raise UnsafeCheckpointError(path, found.group(1) if found else None, detail) from None
 
 
 #: How a reference is named in the structure files we write: torch-xla's own class (see the module docstring).
@@ -285,7 +352,7 @@ def _load_tensor(path: str, tid: int, map_location: Any) -> torch.Tensor:
         raise FileNotFoundError(
             f"xser tensor file {fname!r} referenced by {path!r} is missing: the checkpoint is "
             f"incomplete or {path!r} was copied without its '.tensors' directory")
-    return torch.load(fname, map_location=map_location, weights_only=True)
+    return safe_torch_load(fname, map_location)
 
 
 def _resolve_refs(obj: Any, load: Callable[[int], torch.Tensor]) -> Any:
@@ -295,17 +362,18 @@ def _resolve_refs(obj: Any, load: Callable[[int], torch.Tensor]) -> Any:
 
 
 def load_structure(path: str) -> Any:
-    """Unpickle a torch.save'd file at ``path`` with xser reference classes mapped to ours.
+    """Load a torch.save'd file at ``path`` with the restricted unpickler, xser reference classes mapped to ours.
 
     Works for xser structure files (returns :class:`TensorReference` placeholders) and for plain
-    ``torch.save`` files (returns CPU tensors). Full pickle: load only trusted files.
+    ``torch.save`` files (returns CPU tensors).
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
+        UnsafeCheckpointError: the file names a global outside :data:`SAFE_GLOBALS` (nothing in it was run).
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
-    return torch.load(path, map_location="cpu", pickle_module=_xser_pickle_module, weights_only=False)
+    return safe_torch_load(path)
 
 
 def load_xser(path: str, map_location: Any = "cpu") -> Any:

@@ -88,6 +88,9 @@ class ExpManagerConfig:
     enable_recovery_time_instrumentation: bool = False  # log process start -> first step, by phase (NxDT key)
     save_xser: bool = True  # write model/optim shards in xser format (one file per tensor)
     load_xser: bool = True  # read xser shards (auto-detected per checkpoint when false/true mismatch)
+    # read every checkpoint / adapter / cache file with torch's restricted unpickler (a file naming any other global is
+    # refused, nothing in it runs); false: full unpickling of a trusted legacy checkpoint (warned)
+    checkpoint_weights_only: bool = True
     save_bf16: bool = False  # cast floating model weights to bf16 in the saved checkpoint
     async_checkpointing: bool = False  # step waits for a host copy only; files are written in a background thread
     # signals that make every rank save a checkpoint at the next step boundary and exit 0 ([] = Lightning's default)

@@ -14,6 +14,7 @@ from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.loggers import TensorBoardLogger
 
 from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint.xser import load_structure
 from nxd_lc.config.schema import CheckpointCallbackParams
 
 log = logging.getLogger("nxd_lc.metrics")
@@ -87,8 +88,7 @@ class NxDModelCheckpoint(ModelCheckpoint):
         unreadable) gives None.
         """
         try:
-            content = torch.load(os.path.join(tag_dir, sharded.USER_CONTENT_FILE), map_location="cpu",
-                                 weights_only=False)
+            content = load_structure(os.path.join(tag_dir, sharded.USER_CONTENT_FILE))  # restricted unpickler
         except Exception as e:  # noqa: BLE001 - an unreadable checkpoint is simply not adopted
             _ckpt_log.info("save_top_k: not counting %s (user_content unreadable: %s)", tag_dir, e)
             return None
