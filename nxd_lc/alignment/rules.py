@@ -34,11 +34,15 @@ def _check_prompt_length(key: str, value: Optional[int], seq_length: Optional[in
 
 
 def _check_dpo(dpo: DPOConfig, prefix: str, errors: List[str]) -> None:
-    term = None
-    try:
-        term, _ = parse_dpo_loss_type(list(dpo.loss_type) if not isinstance(dpo.loss_type, str) else dpo.loss_type)
-    except ValueError as e:
-        errors.append(str(e))
+    term, loss_type = None, dpo.loss_type
+    if not isinstance(loss_type, (str, list, tuple)):
+        errors.append(f"{prefix}.loss_type: must be a loss name or a list of names (e.g. sigmoid or [sigmoid, sft]), "
+                      f"got {loss_type!r}")
+    else:
+        try:
+            term, _ = parse_dpo_loss_type(loss_type if isinstance(loss_type, str) else list(loss_type))
+        except ValueError as e:
+            errors.append(str(e))
     if dpo.kl_beta <= 0:
         errors.append(f"{prefix}.kl_beta: must be > 0, got {dpo.kl_beta}")
     if dpo.sft_loss_weight is not None and dpo.sft_loss_weight < 0:

@@ -159,7 +159,7 @@ def _apply_aliases(data: dict[str, Any], problems: list[str]) -> None:
             log.info("config: '%s' (NxDT spelling) is read as '%s'", alias, canonical)
             node[target] = node.pop(leaf)
     prec = data.get("precision")
-    if isinstance(prec, dict) and prec.get("type") in PRECISION_ALIASES:
+    if isinstance(prec, dict) and isinstance(prec.get("type"), str) and prec["type"] in PRECISION_ALIASES:
         canonical = PRECISION_ALIASES[prec["type"]]
         log.info("config: precision.type '%s' is read as '%s'", prec["type"], canonical)
         prec["type"] = canonical
