@@ -226,8 +226,17 @@ class PackedDataset(torch.utils.data.Dataset):
         self.num_samples, self.seq_length = shape[0], shape[1] - 1
 
     def _load(self) -> np.ndarray:
+        """The array (memory-mapped from the cache file on first use).
+
+        Raises:
+            ValueError: the cache file is truncated or not an ``.npy`` array (names it; it is rebuilt when deleted).
+        """
         if self._array is None:
-            self._array = np.load(self._path, mmap_mode="r")
+            try:
+                self._array = np.load(self._path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as e:
+                raise ValueError(f"packed-sample cache {self._path} cannot be read ({e}): it is truncated or "
+                                 "damaged; delete it and it is rebuilt from the data at the next start") from e
         return self._array
 
     def __getstate__(self) -> dict[str, Any]:

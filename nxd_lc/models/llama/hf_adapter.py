@@ -66,6 +66,10 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+#: safetensors dtype names of the floating types an HF decoder checkpoint stores its weights in
+_FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
+
+
 class SafetensorsCheckpoint:
     """Read-only view over a safetensors checkpoint: one file, or a directory (sharded with
     ``model.safetensors.index.json``, or any ``*.safetensors`` files). Use as a context manager.
@@ -124,8 +128,17 @@ class SafetensorsCheckpoint:
         return tuple(self._slice(name).get_shape())
 
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
-        """Tensor ``name``, or only indices ``[start, stop)`` of dim ``dim`` (0 or 1), read from disk."""
+        """Tensor ``name``, or only indices ``[start, stop)`` of dim ``dim`` (0 or 1), read from disk.
+
+        Raises:
+            ValueError: ``name`` is missing, or stored with a non-floating dtype (every decoder weight is a float;
+                an integer / bool tensor would be cast silently), naming the tensor, its dtype and file.
+        """
         sl = self._slice(name)
+        dtype = sl.get_dtype()
+        if dtype not in _FLOAT_DTYPES:
+            raise ValueError(f"tensor {name!r} in {self.file_of(name)} is stored as {dtype}, not a floating type; "
+                             "the file is not an HF checkpoint of this model (model.hf_weights_dir)")
         if dim is None:
             return sl[:]
         if dim == 0:
