@@ -152,14 +152,23 @@ def _long_phases_message(sched_cfg: SchedConfig, max_steps: int) -> str:
             "run ends before the decay phase (NeMo's formulas, unchanged); lower them to get a decay")
 
 
+def phase_problem(sched_cfg: SchedConfig) -> str | None:
+    """The problem when a phase length (warm-up, constant, hold) is negative, else None: the one wording of the rule
+    for validation and :func:`build_scheduler`. Phases longer than the schedule are allowed (NeMo; warned)."""
+    w, c, h = sched_cfg.warmup_steps, sched_cfg.constant_steps, sched_cfg.hold_steps
+    if min(w, c, h) < 0:
+        return f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got {w} / {c} / {h}"
+    return None
+
+
 def _check(sched_cfg: SchedConfig, max_steps: int, lrs: list[float]) -> None:
     """Raise ValueError naming the key for schedule settings no formula can honour."""
     if max_steps < 1:
         raise ValueError(f"model.optim.sched.max_steps: schedule length must be >= 1, got {max_steps} "
                          f"(set model.optim.sched.max_steps or trainer.max_steps)")
-    if min(sched_cfg.warmup_steps, sched_cfg.constant_steps, sched_cfg.hold_steps) < 0:
-        raise ValueError(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
-                         f"{sched_cfg.warmup_steps} / {sched_cfg.constant_steps} / {sched_cfg.hold_steps}")
+    problem = phase_problem(sched_cfg)
+    if problem is not None:
+        raise ValueError(problem)
     total = sched_cfg.warmup_steps + sched_cfg.constant_steps + sched_cfg.hold_steps
     if total > max_steps and os.environ.get("RANK", "0") == "0":
         log.warning(_long_phases_message(sched_cfg, max_steps))

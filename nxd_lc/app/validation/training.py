@@ -15,7 +15,7 @@ from nxd_lc.data.retrieval_tasks import TASKS
 from nxd_lc.eval.retrieval import SCORINGS
 from nxd_lc.lightning.preemption import signal_numbers
 from nxd_lc.optim.optimizers import OPTIMIZER_NAMES
-from nxd_lc.optim.schedulers import SCHEDULE_NAMES
+from nxd_lc.optim.schedulers import SCHEDULE_NAMES, phase_problem
 from nxd_lc.precision.policy import PRECISION_TYPES
 from nxd_lc.precision.rules import precision_problems
 from nxd_lc.runtime.device import ACCELERATORS
@@ -58,10 +58,9 @@ def choice_problems(cfg: NxdConfig) -> list[str]:
         p.append(f"bucket_size_collectives: must be >= 1 MiB (or null for 64), got {cfg.bucket_size_collectives}")
     if cfg.trainer.log_every_n_steps < 1:
         p.append(f"trainer.log_every_n_steps: must be >= 1, got {cfg.trainer.log_every_n_steps}")
-    sched = cfg.model.optim.sched  # phases longer than the run are NeMo's behaviour: warned at build time
-    if min(sched.warmup_steps, sched.constant_steps, sched.hold_steps) < 0:
-        p.append(f"model.optim.sched.warmup_steps / constant_steps / hold_steps: must be >= 0, got "
-                 f"{sched.warmup_steps} / {sched.constant_steps} / {sched.hold_steps}")
+    phase = phase_problem(cfg.model.optim.sched)  # phases longer than the run are NeMo's behaviour: warned at build
+    if phase is not None:
+        p.append(phase)
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
     return p + precision_problems(cfg) + alignment_problems(cfg)
