@@ -11,7 +11,7 @@ import logging
 import os
 from typing import Any, Mapping
 
-from nxd_lc.config.access import model_seq_length, peft_config, resolve_path
+from nxd_lc.config.access import model_seq_length, peft_config, resolve_path, seq_length
 from nxd_lc.config.peft_schema import PEFT_KEY
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.models.config_json import read_model_json
@@ -32,7 +32,33 @@ def _drop_yarn_override(hf_overrides: dict[str, Any], rope_theta: Any, seq: int,
     return out
 
 
-def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
+def _host_accelerator(cfg: NxdConfig) -> str:
+    """``trainer.accelerator`` resolved on this host (``cpu`` when it cannot be: validation reports why)."""
+    from nxd_lc.runtime.device import resolve_accelerator
+
+    try:
+        return resolve_accelerator(str(cfg.trainer.accelerator))
+    except (ValueError, RuntimeError):
+        return "cpu"
+
+
+def decoder_compiled(cfg: NxdConfig, accelerator: str) -> bool:
+    """Whether ``model.compile`` (true | false | auto) compiles the decoder layers on ``accelerator``
+    (:func:`nxd_lc.models.common.compile.compile_enabled`; ``auto`` stays eager with LoRA or attention dropout)."""
+    from nxd_lc.app.validation.parallel import compile_blocker
+    from nxd_lc.models.common.compile import compile_enabled
+    from nxd_lc.moe.config import is_moe_model
+
+    m = cfg.model
+    if m.compile is not True and m.compile != "auto":
+        return compile_enabled(m.compile, accelerator)
+    hf = read_model_json(cfg) or {}
+    dropout = m.attention_dropout if cfg.model_source == "megatron" else hf.get("attention_dropout")
+    return compile_enabled(m.compile, accelerator,
+                           blocked_by=compile_blocker(cfg, float(dropout or 0.0), is_moe_model(hf)))
+
+
+def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, Any]:
     """``(transformers config, model)`` of a run: config.json + YAML overrides + ``hf_config_overrides`` (+ the
     ``model.moe`` keys for a mixture-of-experts config.json), or with ``model_source: megatron`` the ``model:``
     architecture keys and the tokenizer's vocabulary (:mod:`nxd_lc.models.megatron`), sharded for this rank, HF
@@ -40,9 +66,12 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
     :class:`~nxd_lc.models.llama.LlamaForCausalLM` for the dense families (llama, mistral, qwen2, qwen3) and a
     :class:`~nxd_lc.models.mixtral.MixtralForCausalLM` for ``mixtral``. Needs ``parallel_state`` initialised (or a
     single process). Shared by training, the checkpoint converter and the evaluation, so all three build the same
-    model.
+    model. ``accelerator``: the resolved ``trainer.accelerator`` the model will run on (None: resolved on this host),
+    which decides the ``model.fusions`` kernels (:mod:`nxd_lc.layers.fusions`).
     """
+    from nxd_lc.layers.fusions import resolve_fusions
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
+    from nxd_lc.models.common.fusions import apply_fusions
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
@@ -79,14 +108,40 @@ def build_model(cfg: NxdConfig) -> tuple[Any, Any]:
         LlamaForCausalLM(hf_config, **common)
     if m.hf_weights_dir:
         _load_hf_weights(cfg, model, resolve_path(m.hf_weights_dir), load_hf_weights)
+    accelerator = accelerator or _host_accelerator(cfg)
+    compiled = decoder_compiled(cfg, accelerator)
+    kernels = resolve_fusions(vars(m.fusions), accelerator, tensor_parallel=ds.tensor_model_parallel_size,
+                              tiled_loss=m.tiled_loss_chunk_size is not None, compiled=compiled)
+    apply_fusions(model, kernels)
+    if m.activations_memory_budget is not None:  # the memory keys from the budget (validation: none set by hand)
+        m = _planned_memory_keys(cfg, model, fused_loss=kernels["cross_entropy"] == "liger", compiled=compiled)
     checkpointed = apply_memory_techniques(model, m)
     if checkpointed:
-        log.info("activation checkpointing (%s): %d modules recomputed in backward",
-                 m.activations_checkpoint_granularity, len(checkpointed))
+        log.info("activation checkpointing (%s%s): %d modules recomputed in backward",
+                 m.activations_checkpoint_granularity, ", inputs offloaded to host" if m.activations_offload else "",
+                 len(checkpointed))
     peft = peft_config(cfg)
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)
     return hf_config, model
+
+
+def _planned_memory_keys(cfg: NxdConfig, model: Any, *, fused_loss: bool, compiled: bool) -> Any:
+    """``cfg.model`` with the memory keys of the plan chosen from ``model.activations_memory_budget``
+    (:func:`nxd_lc.models.common.memory_plan.choose_memory_plan`, logged) for this rank's share of the model."""
+    import dataclasses
+
+    from nxd_lc.models.common.memory_plan import choose_memory_plan, model_plan_shape
+    from nxd_lc.precision.policy import resolve_precision
+
+    policy = resolve_precision(cfg)
+    compute = policy.autocast_dtype or policy.param_dtype
+    shape = model_plan_shape(model, cfg.data.micro_batch_size * (seq_length(cfg) or 0),
+                             sequence_parallel=cfg.distributed_strategy.sequence_parallel,
+                             element_size=compute.itemsize, fused_loss=fused_loss)
+    plan = choose_memory_plan(shape, cfg.model.activations_memory_budget, allow_offload=not compiled)
+    log.info(plan.describe())
+    return dataclasses.replace(cfg.model, **plan.model_keys())
 
 
 def _load_hf_weights(cfg: NxdConfig, model: Any, hf_dir: str, convert: Any) -> None:

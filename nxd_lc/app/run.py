@@ -19,7 +19,7 @@ from typing import Any, Mapping, Optional
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
-from nxd_lc.app.build import build_model, load_model_weights, save_lora_outputs
+from nxd_lc.app.build import build_model, decoder_compiled, load_model_weights, save_lora_outputs
 from nxd_lc.app.validation import check_supported, load_config, path_problems, unsupported_features
 from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
@@ -164,9 +164,9 @@ def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
     from nxd_lc.distributed.startup import run_in_waves
 
     def build() -> tuple[Any, Any]:
-        hf_config, model = build_model(cfg)
+        hf_config, model = build_model(cfg, runtime.accelerator)
         model = model.to(runtime.device)
-        if cfg.model.compile:  # regional torch.compile of each decoder layer (training only; eval stays eager)
+        if decoder_compiled(cfg, runtime.accelerator):  # regional torch.compile of each decoder layer (training only)
             from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers
 
             compile_decoder_layers(model, compile_backend(runtime.accelerator))

@@ -206,6 +206,11 @@ class FusionsConfig:
     softmax: bool = True  # NEURON_FUSE_SOFTMAX on Neuron; CPU/CUDA use torch's softmax either way
     flash_attention: bool = True  # True: SDPA flash path (NKI on Trainium); False: eager softmax(QK^T) attention
     ring_attention: Optional[bool] = None  # NxDT: true = ring CP (context_parallel_algo ring); false + CP>1: ulysses
+    # kernel of each element-wise part: auto | torch (eager reference, what compile fuses) | liger (Liger-Kernel, CUDA)
+    rms_norm: str = "auto"  # RMSNorm
+    rope: str = "auto"  # RoPE application to q / k
+    swiglu: str = "auto"  # silu(gate) * up
+    cross_entropy: str = "auto"  # lm head + loss: liger = fused linear cross-entropy (TP 1, no tiled_loss_chunk_size)
 
 
 @dataclass
@@ -286,7 +291,7 @@ class ModelConfig:
     hf_config_overrides: Optional[Dict[str, Any]] = None  # merged over config.json (e.g. rope_scaling: {...})
     tiled_loss_chunk_size: Optional[int] = None  # tokens per chunk of the tiled vocab-parallel CE (None: untiled)
     tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
-    compile: bool = False  # regional torch.compile of each decoder layer (fullgraph; inductor, or neuron natively)
+    compile: Any = "auto"  # regional torch.compile of each decoder layer: true | false | auto (CUDA / native neuron)
     weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
@@ -294,6 +299,8 @@ class ModelConfig:
     activations_checkpoint_save_attention: bool = False  # checkpointed modules keep attention outputs (no O(S^2) redo)
     activations_checkpoint_method: Optional[str] = None  # with 'full': null/uniform (every layer) | block (first N)
     activations_checkpoint_num_layers: Optional[int] = None  # 'block': layers checkpointed per pipeline stage
+    activations_offload: bool = False  # with 'full': keep each recomputed layer's input in host memory (ALST)
+    activations_memory_budget: Optional[Any] = None  # fraction in (0, 1] or '40GiB': nxd_lc picks the memory plan
     pipeline_cuts: Optional[List[str]] = None  # last layer of each pipeline stage but the last, e.g. [model.layers.18]
     fusions: FusionsConfig = field(default_factory=FusionsConfig)
     transpose_nki_inputs: bool = True  # NKI flash attention takes q/k/v as [B,H,D,S] (True) or [B,H,S,D] (False)

@@ -127,7 +127,7 @@ def moe_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> list[str]:
     if align is not None and (align.dpo is not None or align.orpo is not None):
         p.append("not supported yet: model_alignment_strategy dpo / orpo with a mixture-of-experts model (the "
                  "preference losses do not add the load-balancing term); use sft or a dense model")
-    if cfg.model.compile:
+    if cfg.model.compile is True:  # auto stays eager with MoE layers (nxd_lc.app.validation.parallel.compile_blocker)
         p.append("not supported yet: model.compile with mixture-of-experts layers (token dispatch reads expert "
                  "loads on the host); set model.compile false")
     return p

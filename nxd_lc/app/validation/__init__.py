@@ -25,7 +25,13 @@ from nxd_lc.app.validation.data import (
     path_problems,
     sft_style_problems,
 )
-from nxd_lc.app.validation.model import family_problems, megatron_source_problems, memory_problems, moe_layout_problems
+from nxd_lc.app.validation.model import (
+    family_problems,
+    fusion_config_problems,
+    megatron_source_problems,
+    memory_problems,
+    moe_layout_problems,
+)
 from nxd_lc.app.validation.parallel import (
     auto_ring_on_xla,
     context_parallel_problems,
@@ -73,7 +79,7 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
             + choice_problems(cfg) + pipeline_problems(cfg, hf)
             + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
             + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
-            + family_problems(cfg, hf) + sft_style_problems(cfg))
+            + family_problems(cfg, hf) + sft_style_problems(cfg) + fusion_config_problems(cfg))
 
 
 def unsupported_features(cfg: NxdConfig) -> list[str]:

@@ -8,6 +8,8 @@ from typing import Any
 
 from nxd_lc.config.access import data_parallel_size, model_seq_length
 from nxd_lc.config.schema import CHECKPOINT_METHODS, NxdConfig, checkpoint_method_problems
+from nxd_lc.layers.fusions import fusion_problems
+from nxd_lc.models.common.memory_plan import budget_problem
 from nxd_lc.models.common.rope import rope_scaling_problems
 from nxd_lc.models.megatron import MEGATRON_KEYS, megatron_problems
 from nxd_lc.moe.config import expert_parallel_problems, moe_problems
@@ -40,10 +42,65 @@ def memory_problems(cfg: NxdConfig) -> list[str]:
     if m.activations_checkpoint_method in CHECKPOINT_METHODS:
         p.extend(checkpoint_method_problems(m.activations_checkpoint_granularity, m.activations_checkpoint_method,
                                             m.activations_checkpoint_num_layers))
+    p.extend(budget_and_offload_problems(cfg))
     if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
         p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
                  "weights initialise this run)")
     return p
+
+
+def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
+    """``model.activations_memory_budget`` (:mod:`nxd_lc.models.common.memory_plan`): a valid budget, and the memory
+    keys it chooses not also set by hand (one of the two would be ignored); not with pipeline parallelism (the
+    schedule keeps several micro-batches' activations, which the estimate does not model).
+    ``model.activations_offload``: whole recomputed layers (``full``), not with ``..._save_attention`` nor with
+    ``model.compile: true`` (the offloading checkpoint is reentrant, which dynamo does not trace)."""
+    m, p = cfg.model, []
+    budget = m.activations_memory_budget
+    if budget is not None:
+        problem = budget_problem(budget)
+        if problem:
+            p.append(problem)
+        chosen = {"activations_checkpoint_granularity": m.activations_checkpoint_granularity,
+                  "activations_checkpoint_recompute": m.activations_checkpoint_recompute,
+                  "tiled_mlp_chunk_size": m.tiled_mlp_chunk_size, "tiled_loss_chunk_size": m.tiled_loss_chunk_size,
+                  "activations_offload": m.activations_offload or None}
+        for key, value in chosen.items():
+            if value is not None:
+                p.append(f"model.{key}: {value!r} is chosen by model.activations_memory_budget ({budget!r}); set "
+                         f"model.{key}: null (false) to let the budget choose, or remove the budget")
+        if cfg.distributed_strategy.pipeline_model_parallel_size > 1:
+            p.append("not supported yet: model.activations_memory_budget with pipeline_model_parallel_size > 1 (the "
+                     "estimate does not model the micro-batches a pipeline schedule keeps); set the memory keys by "
+                     "hand")
+    elif m.activations_offload:
+        if m.activations_checkpoint_granularity != "full" or m.activations_checkpoint_save_attention:
+            p.append("model.activations_offload: true offloads the inputs of whole recomputed layers: it needs "
+                     "model.activations_checkpoint_granularity: full and activations_checkpoint_save_attention: false")
+    if m.activations_offload and m.compile is True:
+        p.append("model.activations_offload: not supported with model.compile: true (the offloading checkpoint is "
+                 "reentrant, which torch.compile does not trace); set model.compile: auto or false")
+    return p
+
+
+def fusion_config_problems(cfg: NxdConfig) -> list[str]:
+    """``model.fusions.rms_norm | rope | swiglu | cross_entropy`` (:mod:`nxd_lc.layers.fusions`): a known kernel
+    choice, and ``liger`` only where Liger-Kernel can run (CUDA, importable; the loss at TP 1 without the tiled
+    loss). ``trainer.accelerator: auto`` is judged on this host."""
+    from nxd_lc.runtime.device import resolve_accelerator
+
+    fusions = cfg.model.fusions
+    values = {k: getattr(fusions, k, "auto") for k in ("rms_norm", "rope", "swiglu", "cross_entropy")}
+    if all(v in ("auto", "torch") for v in values.values()):
+        return []  # nothing device-dependent to check
+    accelerator = str(cfg.trainer.accelerator)
+    if accelerator not in ("cpu", "gpu", "xla"):
+        try:
+            accelerator = resolve_accelerator(accelerator)
+        except (ValueError, RuntimeError):
+            return []  # trainer.accelerator's own rule reports it
+    return fusion_problems(values, accelerator, cfg.distributed_strategy.tensor_model_parallel_size,
+                           cfg.model.tiled_loss_chunk_size is not None)
 
 
 def family_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
@@ -68,7 +125,7 @@ def family_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
                                                            or ds.pipeline_model_parallel_size > 1):
         p.append(f"not supported yet: attention dropout ({key} {dropout}) with context_parallel_size > 1 or "
                  "pipeline_model_parallel_size > 1; set it to 0")  # megatron: megatron_problems covers every dropout
-    if dropout > 0 and cfg.model.compile:
+    if dropout > 0 and cfg.model.compile is True:  # auto stays eager instead (compile_blocker)
         p.append(f"not supported yet: attention dropout ({key} {dropout}) with model.compile; set one of them off")
     return p
 

@@ -15,6 +15,7 @@ from nxd_lc.config.access import (
     seq_length,
 )
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.models.common.compile import COMPILE_CHOICES
 from nxd_lc.pipeline.split import split_problems
 from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
 
@@ -202,7 +203,10 @@ def compile_on_xla_problems(cfg: NxdConfig) -> list[str]:
     """``model.compile`` is torch.compile of eager devices (CPU, CUDA, TorchNeuron's native device); torch-xla
     records and compiles lazy graphs itself (:mod:`nxd_lc.models.common.compile`). LoRA adapters have not been
     traced and checked: refused until they are."""
-    if not cfg.model.compile:
+    if cfg.model.compile not in COMPILE_CHOICES:
+        return [f"model.compile: {cfg.model.compile!r} is not one of true, false, auto (auto: compiled on CUDA and "
+                "the native Neuron device, eager on CPU and torch-xla)"]
+    if cfg.model.compile is not True:  # auto compiles only where it can (compile_blocker)
         return []
     p = []
     if peft_config(cfg) is not None:
@@ -250,3 +254,20 @@ def auto_ring_on_xla(cfg: NxdConfig) -> list[str]:
     return ["not supported yet: " + p.replace("trainer.accelerator neuron", "trainer.accelerator auto (= neuron here)")
             for p in ring_on_xla_problems(cfg, "neuron") + pipeline_on_xla_problems(cfg, "neuron")] \
         if neuron_resolution() == "neuron" else []
+
+
+def compile_blocker(cfg: NxdConfig, attention_dropout: float, moe: bool = False) -> str | None:
+    """What keeps ``model.compile: auto`` eager on an accelerator where it would compile (None: nothing): LoRA
+    adapters, attention dropout, mixture-of-experts layers (``moe``) and activation offload, which
+    ``model.compile: true`` refuses (:func:`compile_on_xla_problems`,
+    :func:`nxd_lc.app.validation.model.family_problems`). ``attention_dropout``: the model's (config.json's, or
+    Megatron's ``model.attention_dropout``)."""
+    if peft_config(cfg) is not None:
+        return "model_alignment_strategy.peft (LoRA)"
+    if attention_dropout > 0:
+        return f"attention dropout {attention_dropout}"
+    if moe:
+        return "mixture-of-experts layers"
+    if cfg.model.activations_offload:  # a memory budget under compile never chooses offload instead
+        return "model.activations_offload"
+    return None

@@ -98,6 +98,7 @@ def recomputable_module_names(model: nn.Module) -> list[str]:
 
 
 _SAVE_ATTENTION = "_nxd_checkpoint_save_attention"
+_OFFLOAD = "_nxd_checkpoint_offload"
 #: attention kernels whose outputs are kept with ``activations_checkpoint_save_attention`` (names of aten ops
 #: that SDPA dispatches to on CPU / CUDA / PrivateUse1 devices, and nxd_lc's traced ring attention op)
 _ATTENTION_OPS = ("_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
@@ -137,6 +138,9 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
+    if getattr(module, _OFFLOAD, False) and not kwargs and args and isinstance(args[0], torch.Tensor) \
+            and args[0].requires_grad:
+        return _offloaded_checkpoint(forward, module, *args)
     save_attention = bool(getattr(module, _SAVE_ATTENTION, False))
     # traced (model.compile): dynamo accepts a context_fn only when it is selective checkpointing's, and the
     # traced tiled MLP is per-chunk checkpoints that the discard flag does not touch; selective checkpointing
@@ -152,9 +156,27 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return checkpoint(forward, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
 
 
-def _wrap(module: nn.Module, save_attention: bool = False) -> bool:
+def offload_context(pin_memory: bool) -> contextlib.AbstractContextManager:
+    """The saved-tensor hooks that move what autograd saves to host memory (``torch.autograd.graph.save_on_cpu``:
+    pinned host buffers on CUDA, copied back non-blocking in backward)."""
+    return torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+
+
+def _offloaded_checkpoint(forward: Any, module: nn.Module, *args: Any) -> Any:
+    """``model.activations_offload``: the layer's forward under reentrant checkpointing inside
+    :func:`offload_context`. The reentrant checkpoint runs the layer without grad and saves only its inputs
+    (``ctx.save_for_backward``), which the hooks move to the host; backward brings them back and recomputes the
+    layer (DeepSpeed's ``cpu_checkpointing``; ALST, arXiv:2506.13996, section 3). Used only when the layer input
+    requires grad (a frozen first layer under LoRA keeps the plain checkpoint: a reentrant checkpoint of inputs
+    without grad would give its parameters none)."""
+    with offload_context(pin_memory=args[0].is_cuda):
+        return checkpoint(forward, module, *args, use_reentrant=True)
+
+
+def _wrap(module: nn.Module, save_attention: bool = False, offload: bool = False) -> bool:
     """Route ``module``'s forward through :func:`_checkpointed_forward`; False if it already was."""
     setattr(module, _SAVE_ATTENTION, save_attention)
+    setattr(module, _OFFLOAD, offload)
     if getattr(module, _FLAG, False):
         return False
     # a partial of a module-level function (not a closure): deepcopy / pickle re-bind it to the copied module
@@ -165,7 +187,8 @@ def _wrap(module: nn.Module, save_attention: bool = False) -> bool:
 
 def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
                                    recompute: Sequence[str] | None = None, save_attention: bool = False,
-                                   method: str | None = None, num_layers: int | None = None) -> list[str]:
+                                   method: str | None = None, num_layers: int | None = None,
+                                   offload: bool = False) -> list[str]:
     """Make ``model`` recompute activations in backward per NxDT's granularity (see the module docstring).
 
     Args:
@@ -179,6 +202,8 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
             process holds, i.e. per pipeline stage) with ``full`` granularity
             (``model.activations_checkpoint_method``; module docstring).
         num_layers: ``model.activations_checkpoint_num_layers``.
+        offload: ``model.activations_offload``: with ``full`` granularity, each checkpointed layer's inputs are kept
+            in host memory between forward and backward (:func:`_offloaded_checkpoint`).
 
     Returns:
         Qualified names of the modules now checkpointed (empty for ``None``). Applying twice is a no-op.
@@ -197,6 +222,10 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
     problems = checkpoint_method_problems(granularity, method, num_layers)
     if problems:
         raise ValueError("; ".join(problems))
+    if offload and (granularity != "full" or save_attention):
+        raise ValueError("model.activations_offload: true needs model.activations_checkpoint_granularity full and "
+                         "model.activations_checkpoint_save_attention false (it offloads the inputs of whole "
+                         "recomputed layers)")
     if granularity is None:
         if save_attention:
             raise ValueError("model.activations_checkpoint_save_attention: true needs "
@@ -209,7 +238,7 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
         targets = _selective_targets(model, layers, list(recompute or []))
-    return [name for name, module in targets if _wrap(module, save_attention)]
+    return [name for name, module in targets if _wrap(module, save_attention, offload)]
 
 
 def _selective_targets(model: nn.Module, layers: list[tuple[int, nn.Module]],
@@ -278,4 +307,5 @@ def apply_memory_techniques(model: nn.Module, model_cfg: ModelConfig) -> list[st
                                           model_cfg.activations_checkpoint_recompute,
                                           model_cfg.activations_checkpoint_save_attention,
                                           model_cfg.activations_checkpoint_method,
-                                          model_cfg.activations_checkpoint_num_layers)
+                                          model_cfg.activations_checkpoint_num_layers,
+                                          model_cfg.activations_offload)

@@ -31,6 +31,35 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+#: ``model.compile`` values: compile the decoder layers, do not, or by device
+COMPILE_CHOICES = (True, False, "auto")
+
+
+def compile_enabled(setting: object, accelerator: str, *, blocked_by: str | None = None) -> bool:
+    """Whether the decoder layers are compiled for ``model.compile: setting`` on a resolved ``trainer.accelerator``.
+
+    ``auto`` (the default): compiled on ``gpu`` (CUDA, inductor) and ``neuron_native`` (TorchNeuron,
+    ``backend="neuron"``), where a step of many small eager kernels is launch-bound (H200 profile, DESIGN.md 13);
+    eager on ``cpu`` (compile time is not repaid on short CPU runs) and on torch-xla (``xla``, ``neuron``), which
+    compiles its own lazy graphs; also eager when ``blocked_by`` names a feature not yet checked under compile
+    (logged). ``True`` / ``False`` are obeyed (validation refuses ``True`` where it cannot work).
+
+    Raises:
+        ValueError: another value (names ``model.compile`` and the choices).
+    """
+    if setting is True or setting is False:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"model.compile: {setting!r} is not one of true, false, auto")
+    if accelerator not in ("gpu", "neuron_native"):
+        return False
+    if blocked_by:
+        log.info("model.compile: auto stays eager on %s: %s is not supported under compile yet", accelerator,
+                 blocked_by)
+        return False
+    return True
+
+
 def compile_backend(accelerator: str) -> str:
     """The ``torch.compile`` backend for a resolved ``trainer.accelerator``
     (:func:`nxd_lc.runtime.device.resolve_accelerator`).

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from nxd_lc.layers import parallel_cross_entropy
+from nxd_lc.layers.fusions import liger_fused_linear_cross_entropy_sum
 from nxd_lc.layers.tiled import tiled_causal_lm_loss
 
 __all__ = ["causal_lm_loss", "causal_lm_loss_from_hidden"]
@@ -14,7 +15,9 @@ __all__ = ["causal_lm_loss", "causal_lm_loss_from_hidden"]
 
 def causal_lm_loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: torch.Tensor,
                                ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
-    """Summed next-token cross-entropy from the lm-head input, tiled when ``model.tiled_loss_chunk_size`` is set.
+    """Summed next-token cross-entropy from the lm-head input: Liger-Kernel's fused linear cross-entropy when
+    ``model.cross_entropy_kernel`` is ``liger`` (``model.fusions.cross_entropy``, TP 1 only), tiled when
+    ``model.tiled_loss_chunk_size`` is set, else over the full logits.
 
     Args:
         model: the decoder (:class:`~nxd_lc.models.llama.model.LlamaForCausalLM` or a subclass; its
@@ -31,6 +34,12 @@ def causal_lm_loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: t
     Raises:
         ValueError: shapes disagree or labels are not integers.
     """
+    if model.cross_entropy_kernel == "liger":  # model.fusions.cross_entropy (TP 1)
+        valid = labels != ignore_index
+        loss_sum = liger_fused_linear_cross_entropy_sum(
+            hidden.reshape(-1, hidden.shape[-1]), model.lm_head.weight[:model.num_valid_vocab_local],
+            labels.reshape(-1), ignore_index)
+        return loss_sum, valid.sum()
     if model.tiled_loss_chunk_size is None:
         return causal_lm_loss(model.logits_from_hidden(hidden), labels, ignore_index)
     return tiled_causal_lm_loss(hidden, model.lm_head.weight, labels, chunk_size=model.tiled_loss_chunk_size,

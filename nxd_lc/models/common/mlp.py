@@ -42,6 +42,7 @@ from nxd_lc.distributed.mappings import (
 )
 from nxd_lc.layers import ColumnParallelLinear, RowParallelLinear
 from nxd_lc.layers.dropout import sharded_dropout
+from nxd_lc.layers.fusions import liger_swiglu
 from nxd_lc.layers.linear import InitMethod
 from nxd_lc.layers.tiled import check_chunk_size, tiled_apply
 
@@ -51,9 +52,16 @@ __all__ = ["ActivationMultiplyMLP", "GeluMLP", "LlamaMLP"]
 class ActivationMultiplyMLP(nn.Module):
     """``silu(gate) * up`` ([..., I/tp] each -> [..., I/tp]): the SwiGLU product as its own module, under NxDT's
     name, so ``model.activations_checkpoint_recompute: [ActivationMultiplyMLP]`` can recompute it (it has no
-    parameters)."""
+    parameters). ``kernel`` (``model.fusions.swiglu``, :mod:`nxd_lc.layers.fusions`): ``torch`` (two element-wise
+    ops) or ``liger`` (Liger-Kernel's fused SiLU-multiply)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kernel = "torch"
 
     def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        if self.kernel == "liger":
+            return liger_swiglu(gate, up)
         return F.silu(gate) * up
 
 

@@ -3,9 +3,10 @@ in float32.
 
 Shapes: x [..., H] (e.g. [B, S, H], or [B, S/tp, H] under sequence parallelism) -> same shape and dtype.
 
-``y = weight * x / sqrt(mean(x^2, -1) + eps)``; the normalisation and the weight multiply are done in
-float32 and the result is cast back to x's dtype (HF ``LlamaRMSNorm`` normalises in fp32 too; it
-multiplies the weight after casting back, which is identical in fp32).
+``y = weight * x / sqrt(mean(x^2, -1) + eps)``, as HF ``LlamaRMSNorm``: the normalisation in float32, the result
+cast back to x's dtype, then multiplied by the weight (in x's dtype). With ``kernel = "liger"``
+(``model.fusions.rms_norm``, :mod:`nxd_lc.layers.fusions`) Liger-Kernel's fused kernel computes the same with the
+same casting.
 
 LayerNorm: ``y = weight * (x - mean) / sqrt(var + eps) + bias`` (biased variance, ``torch.nn.LayerNorm``), in
 float32, cast back to x's dtype.
@@ -15,6 +16,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from nxd_lc.layers.fusions import liger_rms_norm
 
 __all__ = ["LayerNorm", "RMSNorm", "build_norm"]
 
@@ -45,12 +48,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
         self.weight.sequence_parallel_enabled = sequence_parallel_enabled
+        #: ``torch`` or ``liger`` (set by :func:`nxd_lc.models.common.fusions.apply_fusions`)
+        self.kernel = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., H] -> [..., H], x's dtype."""
-        x32 = x.float()
-        y = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * y).to(x.dtype)
+        if self.kernel == "liger":
+            return liger_rms_norm(x, self.weight, self.eps)
+        x32 = x.float()  # no op for fp32 input
+        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return y * self.weight.to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

@@ -128,6 +128,8 @@ class LlamaAttention(nn.Module):
                                         **{**kw, "init_method": output_init_method or init_method})
         self.core_attention = CoreAttention(flash_attention=flash_attention, window=opts.window(layer_index),
                                             dropout=opts.attention_dropout)
+        #: RoPE kernel, ``torch`` or ``liger`` (:func:`nxd_lc.models.common.fusions.apply_fusions`)
+        self.rope_kernel = "torch"
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor | None, sin: torch.Tensor | None,
                 segment_ids: torch.Tensor | None = None, kv_cache: LayerKVCache | None = None) -> torch.Tensor:
@@ -145,7 +147,7 @@ class LlamaAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, S, D]
         if cos is not None:
-            q, k = _rotate(q, k, cos, sin)
+            q, k = _rotate(q, k, cos, sin, self.rope_kernel)
         if kv_cache is not None:
             k, v = kv_cache.append(k, v)
             out = cached_attention(q, k, v, window=self.core_attention.window)
@@ -154,13 +156,13 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(b, s, -1))
 
 
-def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
-            sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            kernel: str = "torch") -> tuple[torch.Tensor, torch.Tensor]:
     """RoPE on the first ``Dr = cos.shape[-1]`` dims of each head of q / k [B, heads, S, D]; the other ``D - Dr``
-    pass through (partial rotary, GPT-NeoX / Megatron ``rotary_percent``)."""
+    pass through (partial rotary, GPT-NeoX / Megatron ``rotary_percent``; always the ``torch`` kernel)."""
     dr = cos.shape[-1]
     if dr == q.shape[-1]:
-        return apply_rotary_pos_emb(q, k, cos, sin)
+        return apply_rotary_pos_emb(q, k, cos, sin, kernel)
     q_rot, k_rot = apply_rotary_pos_emb(q[..., :dr], k[..., :dr], cos, sin)
     return torch.cat([q_rot, q[..., dr:]], dim=-1), torch.cat([k_rot, k[..., dr:]], dim=-1)
 
@@ -314,6 +316,8 @@ class LlamaForCausalLM(nn.Module):
         self._keep_pipeline_part(keep_embedding, keep_head)
         # tokens per chunk of the tiled CE in loss(); None: untiled (set by apply_memory_techniques)
         self.tiled_loss_chunk_size: int | None = None
+        # the loss kernel, torch or liger (model.fusions.cross_entropy; nxd_lc.models.common.fusions.apply_fusions)
+        self.cross_entropy_kernel = "torch"
 
     def _position_table(self, init: InitMethod, dtype: torch.dtype,
                         device: torch.device | str | None) -> nn.Embedding | None:

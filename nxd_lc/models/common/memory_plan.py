@@ -1,0 +1,300 @@
+"""``model.activations_memory_budget``: the memory plan chosen from a budget instead of stacked by hand (DESIGN.md 14).
+
+On the H200 (2026-11-26) the hand-picked long-context configuration -- full recomputation + tiled MLP + tiled loss --
+spent 30-40% of a step re-running a tiled MLP whose chunk memory full recomputation had already made irrelevant.
+Here the user gives a budget for the activations of one micro-batch on one device, and the fastest plan whose
+estimate fits is used, in this order (each recomputes more than the one before):
+
+1. ``none``: nothing recomputed;
+2. ``selective``: the norms and the MLP are recomputed, the attention's tensors are kept
+   (``activations_checkpoint_granularity: selective``, ``activations_checkpoint_recompute: [RMSNorm, LlamaMLP]``);
+3. ``full``: every decoder layer recomputed, only its input ``[B, S(/tp), H]`` kept;
+4. ``full_tiled_mlp``: as 3, the MLP of the layer being recomputed runs ``tiled_mlp_chunk_size`` tokens at a time
+   (only worth it where the MLP's ``[T, 2I]`` working set matters: long sequences);
+5. ``full_offload``: as 4, and each layer's input is moved to host memory in forward and back in backward
+   (``model.activations_offload``: ALST's / DeepSpeed's activation-checkpoint offload).
+
+The loss is untiled when its logits fit in what the layers leave of the budget, else tiled
+(``tiled_loss_chunk_size`` 1024) -- unless Liger's fused linear cross-entropy is the loss kernel, which never holds
+the full logits.
+
+Budget forms: a number in (0, 1] is a fraction of plan 1's estimate (the meaning of torch's
+``torch._functorch.config.activation_memory_budget``: 1 keeps everything, smaller recomputes more); a string
+``"<N>GiB"`` (or ``MiB``) is absolute, per device.
+
+The estimate counts the bytes autograd keeps per token for nxd_lc's Llama layer with flash attention (no ``S x S``
+tensor), from the ops of its forward (``T`` tokens of the micro-batch on this rank, ``Tn`` those outside the TP
+region: ``T / tp`` under sequence parallelism; ``e`` the activation element size, ``c = 4`` bytes of float32 copies
+when ``e < 4``; local sizes ``Hq = Dh * heads/tp``, ``Hkv`` likewise, ``I = intermediate / tp``, ``Vl`` the local
+vocabulary):
+
+* RMSNorm: the float32 input (``c H``), its reciprocal RMS (4), the normalised output (``e H``): ``Tn (cH + eH + 4)``;
+* attention: the projection input ``e H``, the fused q/k/v output ``e (Hq + 2 Hkv)`` (v keeps it alive), the rotated
+  q and k ``e (Hq + Hkv)``, the attention output ``e Hq`` and its log-sum-exp ``4 heads/tp``, the o-projection input
+  ``e Hq``: per token of ``T``;
+* SwiGLU MLP: its input ``e H``, gate/up ``2 e I``, ``silu(gate)`` ``e I``, the product ``e I``: per token of ``T``;
+* a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
+  set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part);
+* the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
+  the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input and its gradient;
+* the final norm's output and the RoPE tables ``2 x 4 Dh`` per token;
+* backward's transient gradients of one MLP's activations (of its chunk when tiled), alive with what is saved.
+
+It is an upper-bound model of the tensors autograd saves (tested against a FakeTensor measurement of the real step,
+``tests/test_memory_plan.py``); it does not count parameters, gradients, optimizer state or allocator
+fragmentation, and the MoE experts' dispatch buffers are counted as a dense MLP of the same intermediate size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from typing import Any
+
+from torch import nn
+
+from nxd_lc.distributed import parallel_state
+
+log = logging.getLogger(__name__)
+
+__all__ = ["MemoryPlan", "PLAN_ORDER", "PlanShape", "budget_problem", "choose_memory_plan", "estimate_bytes",
+           "model_plan_shape", "parse_budget"]
+
+#: the plans, fastest first (module docstring)
+PLAN_ORDER = ("none", "selective", "full", "full_tiled_mlp", "full_offload")
+#: token chunk of the tiled MLP / tiled loss the planner uses
+PLAN_MLP_CHUNK = 4096
+PLAN_LOSS_CHUNK = 1024
+_GIB = 2**30
+_BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
+_UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
+KEY = "model.activations_memory_budget"
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanShape:
+    """What the estimate needs of one micro-batch on one rank.
+
+    Attributes:
+        tokens: ``T`` = micro batch x sequence length / context-parallel size.
+        hidden: ``H``.
+        head_dim: ``Dh``.
+        heads_local, kv_heads_local: query / key-value heads on this TP rank (after ``kv_replicator``).
+        intermediate_local: MLP intermediate size / TP.
+        vocab_local: padded vocabulary / TP.
+        layers: decoder layers on this rank (this pipeline stage's).
+        tp: tensor-parallel size; sequence_parallel: norms and residuals hold ``T / tp`` tokens.
+        element_size: bytes per activation element (2 for bf16 compute, 4 for fp32).
+        fused_loss: Liger's fused linear cross-entropy is the loss (no full logits).
+    """
+
+    tokens: int
+    hidden: int
+    head_dim: int
+    heads_local: int
+    kv_heads_local: int
+    intermediate_local: int
+    vocab_local: int
+    layers: int
+    tp: int = 1
+    sequence_parallel: bool = False
+    element_size: int = 2
+    fused_loss: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """A chosen plan: the ``model:`` keys it sets and its estimate.
+
+    Attributes:
+        name: one of :data:`PLAN_ORDER`.
+        granularity, recompute: ``activations_checkpoint_granularity`` / ``..._recompute``.
+        tiled_mlp_chunk_size, tiled_loss_chunk_size: the tiling keys (None: untiled).
+        offload: ``activations_offload``.
+        estimate_bytes: activation bytes on the device (module docstring); host_bytes: offloaded bytes.
+        budget_bytes: the budget it was chosen under.
+    """
+
+    name: str
+    granularity: str | None
+    recompute: tuple[str, ...] | None
+    tiled_mlp_chunk_size: int | None
+    tiled_loss_chunk_size: int | None
+    offload: bool
+    estimate_bytes: int
+    host_bytes: int
+    budget_bytes: int
+
+    def model_keys(self) -> dict[str, Any]:
+        """The ``model:`` (:class:`~nxd_lc.config.schema.ModelConfig`) fields this plan sets."""
+        return {"activations_checkpoint_granularity": self.granularity,
+                "activations_checkpoint_recompute": list(self.recompute) if self.recompute else None,
+                "tiled_mlp_chunk_size": self.tiled_mlp_chunk_size, "tiled_loss_chunk_size": self.tiled_loss_chunk_size,
+                "activations_offload": self.offload}
+
+    def describe(self) -> str:
+        """One log line: the plan, its estimate against the budget, and what it sets."""
+        keys = ", ".join(f"{k}={v}" for k, v in self.model_keys().items())
+        host = f", {self.host_bytes / _GIB:.2f} GiB on the host" if self.host_bytes else ""
+        return (f"{KEY}: plan '{self.name}' (estimated activations {self.estimate_bytes / _GIB:.2f} GiB of "
+                f"{self.budget_bytes / _GIB:.2f} GiB{host}): {keys}")
+
+
+def parse_budget(value: Any) -> tuple[str, float]:
+    """``("fraction", f)`` for a number in (0, 1], ``("bytes", n)`` for ``"<N>GiB"`` / ``MiB`` / ``GB`` / ``MB``.
+
+    Raises:
+        ValueError: anything else (names the key and both forms).
+    """
+    if isinstance(value, bool):
+        raise ValueError(f"{KEY}: {value!r} is not a budget; give a fraction in (0, 1] or a size like '40GiB'")
+    if isinstance(value, (int, float)):
+        if 0 < value <= 1:
+            return "fraction", float(value)
+        raise ValueError(f"{KEY}: {value!r}: a number is a fraction of the no-recomputation activations and must be "
+                         "in (0, 1]; give an absolute size as a string, e.g. '40GiB'")
+    match = _BUDGET_RE.match(str(value))
+    if not match or float(match.group(1)) <= 0:
+        raise ValueError(f"{KEY}: {value!r} is not a budget; give a fraction in (0, 1] or a positive size like "
+                         "'40GiB' / '512MiB'")
+    return "bytes", float(match.group(1)) * _UNITS[match.group(2).lower()]
+
+
+def budget_problem(value: Any) -> str | None:
+    """The problem of a ``model.activations_memory_budget`` value, or None (null, or valid)."""
+    if value is None:
+        return None
+    try:
+        parse_budget(value)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _norm(s: PlanShape, tokens: int) -> int:
+    c = 4 if s.element_size < 4 else 0
+    return tokens * (c * s.hidden + s.element_size * s.hidden + 4)
+
+
+def _attention(s: PlanShape, tokens: int) -> int:
+    e, hq, hkv = s.element_size, s.heads_local * s.head_dim, s.kv_heads_local * s.head_dim
+    return tokens * (e * s.hidden + e * (hq + 2 * hkv) + e * (hq + hkv) + 2 * e * hq + 4 * s.heads_local)
+
+
+def _mlp(s: PlanShape, tokens: int) -> int:
+    return tokens * s.element_size * (s.hidden + 4 * s.intermediate_local)
+
+
+def _outside_tokens(s: PlanShape) -> int:
+    return -(-s.tokens // s.tp) if s.sequence_parallel and s.tp > 1 else s.tokens
+
+
+def _layer_bytes(s: PlanShape, mlp_tokens: int | None = None) -> int:
+    """Everything one layer keeps without recomputation (``mlp_tokens``: the tiled MLP's chunk)."""
+    mlp = _mlp(s, min(s.tokens, mlp_tokens)) + s.tokens * s.element_size * s.hidden if mlp_tokens else _mlp(s, s.tokens)
+    return 2 * _norm(s, _outside_tokens(s)) + _attention(s, s.tokens) + mlp
+
+
+def _loss_bytes(s: PlanShape, chunk: int | None) -> int:
+    e = s.element_size
+    if s.fused_loss:  # Liger: the input's gradient and row chunks of logits (about H rows' worth of V)
+        return 2 * s.tokens * e * s.hidden + min(s.tokens, s.hidden) * s.vocab_local * (e + 12)
+    rows = s.tokens if chunk is None else min(s.tokens, chunk)
+    tiled_extra = s.tokens * s.hidden * (2 * e + 8) if chunk is not None else 0  # input, fp32 grad, grad cast
+    return rows * s.vocab_local * (2 * e + 12) + tiled_extra
+
+
+def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tuple[int, int]:
+    """``(device bytes, host bytes)`` of the activations of one micro-batch under ``plan`` (module docstring).
+
+    Raises:
+        ValueError: an unknown plan name.
+    """
+    if plan not in PLAN_ORDER:
+        raise ValueError(f"unknown memory plan {plan!r}; one of {PLAN_ORDER}")
+    e, tn = s.element_size, _outside_tokens(s)
+    shared = s.tokens * 8 * s.head_dim + 2 * s.tokens * e * s.hidden  # RoPE tables; final norm output + gather
+    layer_input = tn * e * s.hidden
+    host = 0
+    if plan == "none":
+        layers = s.layers * _layer_bytes(s)
+    elif plan == "selective":  # keeps input, norm outputs, residual and the attention; recomputes norms + MLP
+        kept = 2 * layer_input + s.tokens * e * s.hidden + _attention(s, s.tokens)
+        layers = s.layers * kept + 2 * _norm(s, tn) + _mlp(s, s.tokens)
+    else:
+        tiled = PLAN_MLP_CHUNK if plan in ("full_tiled_mlp", "full_offload") else None
+        working = _layer_bytes(s, tiled)
+        if plan == "full_offload":  # two layer inputs in flight on the device, the rest on the host
+            layers = 2 * layer_input + working
+            host = s.layers * layer_input
+        else:
+            layers = s.layers * layer_input + working
+    mlp_tokens = s.tokens if plan in ("none", "selective", "full") else min(s.tokens, PLAN_MLP_CHUNK)
+    transient = _mlp(s, mlp_tokens)  # backward's gradients of one MLP's activations, alive with its saved ones
+    return layers + shared + transient + _loss_bytes(s, loss_chunk), host
+
+
+def _plan(name: str, loss_chunk: int | None, device: int, host: int, budget: int) -> MemoryPlan:
+    granularity = {"none": None, "selective": "selective"}.get(name, "full")
+    return MemoryPlan(name=name, granularity=granularity,
+                      recompute=("RMSNorm", "LlamaMLP") if name == "selective" else None,
+                      tiled_mlp_chunk_size=PLAN_MLP_CHUNK if name in ("full_tiled_mlp", "full_offload") else None,
+                      tiled_loss_chunk_size=loss_chunk, offload=name == "full_offload", estimate_bytes=device,
+                      host_bytes=host, budget_bytes=budget)
+
+
+def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True) -> MemoryPlan:
+    """The fastest plan of :data:`PLAN_ORDER` whose estimate fits ``budget`` (module docstring).
+
+    Args:
+        s: the micro-batch's shape on this rank.
+        budget: ``model.activations_memory_budget`` (:func:`parse_budget`).
+        allow_offload: False where activation offload cannot run (compiled layers): plan 5 is not considered.
+
+    Returns:
+        The plan; each plan is tried with the untiled loss first, then the tiled one
+        (``tiled_loss_chunk_size`` :data:`PLAN_LOSS_CHUNK`) unless the loss is Liger's fused one.
+
+    Raises:
+        ValueError: a bad budget; no plan fits (names the smallest estimate and what to change).
+    """
+    kind, amount = parse_budget(budget)
+    reference = estimate_bytes(s, "none")[0]
+    limit = int(amount * reference) if kind == "fraction" else int(amount)
+    smallest = None
+    for name in PLAN_ORDER:
+        if name == "full_offload" and not allow_offload:
+            continue
+        for loss_chunk in ((None,) if s.fused_loss else (None, PLAN_LOSS_CHUNK)):
+            device, host = estimate_bytes(s, name, loss_chunk)
+            if smallest is None or device < smallest:
+                smallest = device
+            if device <= limit:
+                return _plan(name, loss_chunk, device, host, limit)
+    raise ValueError(f"{KEY}: {budget!r} ({limit / _GIB:.2f} GiB of activations) is below the smallest plan's "
+                     f"estimate ({smallest / _GIB:.2f} GiB: full recomputation, tiled MLP and loss"
+                     f"{', offloaded layer inputs' if allow_offload else ''}); raise the budget, shorten "
+                     "data.seq_length or add context parallelism (distributed_strategy.context_parallel_size)")
+
+
+def model_plan_shape(model: nn.Module, tokens: int, *, sequence_parallel: bool, element_size: int,
+                     fused_loss: bool = False) -> PlanShape:
+    """The :class:`PlanShape` of a built decoder (:class:`~nxd_lc.models.llama.LlamaForCausalLM` or subclass) on this
+    rank: local heads from its qkv projection, its local layers and padded vocabulary, TP from ``parallel_state``.
+
+    Args:
+        tokens: micro batch x sequence length (the whole sequence; divided here by the context-parallel size).
+        sequence_parallel, element_size, fused_loss: as :class:`PlanShape`.
+    """
+    tp, cp = parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size()
+    config, local = model.config, model.local_layers()
+    attn = local[0][1].self_attn if local else None
+    qkv = getattr(attn, "qkv_proj", None)
+    return PlanShape(tokens=tokens // cp, hidden=config.hidden_size,
+                     head_dim=attn.head_dim if attn is not None else config.hidden_size // config.num_attention_heads,
+                     heads_local=getattr(qkv, "num_heads_local", config.num_attention_heads // tp),
+                     kv_heads_local=getattr(qkv, "num_kv_heads_local", max(1, config.num_key_value_heads // tp)),
+                     intermediate_local=config.intermediate_size // tp, vocab_local=model.padded_vocab_size // tp,
+                     layers=len(local), tp=tp, sequence_parallel=sequence_parallel, element_size=element_size,
+                     fused_loss=fused_loss)
