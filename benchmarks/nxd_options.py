@@ -13,7 +13,8 @@ keys a training YAML uses and applied by the same call the trainer makes
 
 Any of these can be changed per run with ``--nxd-opts '{"tiled_loss_chunk_size": null, ...}'`` (JSON); the keys
 are the ModelConfig field names plus ``flash_attention`` (``"compile": true`` compiles each decoder layer with
-inductor, as ``model.compile`` does in training).
+inductor, as ``model.compile`` does in training; ``"fusions": {...}`` picks kernels; ``"activations_memory_budget"``
+lets the planner choose the memory keys). The benchmark default is ``compile: false`` (the trainer's is ``auto``).
 """
 
 from __future__ import annotations
@@ -33,43 +34,66 @@ NXD_BEST: dict[str, Any] = {
 }
 
 
-def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True) -> Any:
+def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True, accelerator: str = "cpu",
+                    tokens: int | None = None, element_size: int = 2) -> Any:
     """nxd_lc ``LlamaForCausalLM`` from ``<hf_dir>/config.json`` (+ its safetensors when ``load_weights``).
 
     Args:
         hf_dir: an HF checkpoint directory (``save_pretrained`` output).
-        opts: overrides of :data:`NXD_BEST` (unknown keys are an error).
+        opts: overrides of :data:`NXD_BEST` (unknown keys are an error); ``fusions`` is a mapping of
+            ``model.fusions`` keys (``rms_norm``, ``rope``, ``swiglu``, ``cross_entropy``: auto | torch | liger);
+            ``compile`` true | false | auto; ``activations_memory_budget`` replaces the memory keys by the plan
+            chosen for ``tokens`` (set the hand-picked keys to None with it, as the trainer requires).
         load_weights: False under FakeTensorMode (the values do not matter for a memory estimate).
+        accelerator: the resolved ``trainer.accelerator`` the model will run on (``cpu`` / ``gpu``): decides the
+            ``auto`` kernels and ``compile: auto``, as in training.
+        tokens: micro batch x sequence length, needed with ``activations_memory_budget``.
+        element_size: bytes per activation element the plan assumes (2 = bf16 compute).
 
     Returns:
-        The model (fp32, CPU), memory techniques applied.
+        The model (fp32, CPU), kernels chosen, memory techniques applied, decoder layers compiled when asked.
 
     Raises:
         ValueError: an unknown option key (names the valid ones), or a bad option value (from
-            ``apply_memory_techniques``).
+            ``apply_memory_techniques`` / the kernel and plan choices).
     """
-    from nxd_lc.config.schema import ModelConfig
+    from nxd_lc.config.schema import FusionsConfig, ModelConfig
+    from nxd_lc.layers.fusions import resolve_fusions
     from nxd_lc.models.common.checkpointing import apply_memory_techniques
+    from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers, compile_enabled
+    from nxd_lc.models.common.fusions import apply_fusions
+    from nxd_lc.models.common.memory_plan import choose_memory_plan, model_plan_shape
     from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM
 
-    merged = {**NXD_BEST, **opts}
+    merged = {"compile": False, **NXD_BEST, **opts}
     valid = {f.name for f in dataclasses.fields(ModelConfig)} | {"flash_attention"}
     unknown = sorted(set(merged) - valid)
     if unknown:
         raise ValueError(f"--nxd-opts: unknown key(s) {unknown}; valid keys are ModelConfig fields "
                          f"and 'flash_attention'")
     flash = bool(merged.pop("flash_attention"))
+    merged["fusions"] = FusionsConfig(**dict(merged.get("fusions") or {}))
     model_cfg = ModelConfig(model_config=hf_dir, **merged)
     model = LlamaForCausalLM(build_llama_config(hf_dir), flash_attention=flash)
     if load_weights:
         load_hf_weights(model, hf_dir)
+    compiled = compile_enabled(model_cfg.compile, accelerator)
+    kernels = resolve_fusions(vars(model_cfg.fusions), accelerator,
+                              tiled_loss=model_cfg.tiled_loss_chunk_size is not None, compiled=compiled)
+    apply_fusions(model, kernels)
+    if model_cfg.activations_memory_budget is not None:
+        if tokens is None:
+            raise ValueError("build_nxd_model: activations_memory_budget needs tokens (micro batch x length)")
+        shape = model_plan_shape(model, tokens, sequence_parallel=False, element_size=element_size,
+                                 fused_loss=kernels["cross_entropy"] == "liger")
+        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled)
+        model_cfg = dataclasses.replace(model_cfg, **plan.model_keys())
+        model.memory_plan = plan  # recorded by the benchmarks
     apply_memory_techniques(model, model_cfg)
-    if model_cfg.compile:  # --nxd-opts '{"compile": true}': the trainer's regional compilation (inductor on CPU)
-        from nxd_lc.models.common.compile import compile_decoder_layers
-
-        compile_decoder_layers(model, "inductor")
+    if compiled:  # the trainer's regional compilation (inductor on CPU / CUDA)
+        compile_decoder_layers(model, compile_backend(accelerator))
     return model
 
 

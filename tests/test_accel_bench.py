@@ -1,0 +1,100 @@
+"""benchmarks/accel_step.py: the smoke comparison (tiny model, CPU, fp32) end to end in a subprocess, and the model
+FLOPs formula against a hand computation.
+
+The smoke run measures every implementation in its own process; the losses compared below therefore come from
+separate processes that built their models independently (transformers from the safetensors, nxd_lc through its
+own HF adapter) and saw the tokens of the benchmark's seeded generator: agreement to 1e-3 in fp32 means the
+comparison is like for like.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.accel_step import TINY, model_flops  # noqa: E402
+
+SMOKE_IMPLS = ("hf", "hf_gc", "nxd_best", "nxd_norecompute", "nxd_budget_1gib")  # the last: a memory plan per length
+SMOKE_LENS = (64, 128)
+
+
+def test_model_flops_tiny_shape_by_hand() -> None:
+    """6 x dense params x L + 6 x layers x L^2 x H for the tiny shape, worked out by hand.
+
+    Tiny shape: V 512, H 64, F 128, 2 layers, 4 heads of 64 / 4 = 16, 2 KV heads (K/V width 2 x 16 = 32).
+    Per layer: q 64*64 = 4096, k 64*32 = 2048, v 2048, o 4096 -> 12,288; MLP gate/up/down 3*64*128 = 24,576;
+    layer 36,864; two layers 73,728; LM head 512*64 = 32,768; dense = 106,496 (the embedding is a lookup).
+    L = 64: 6 * 106,496 * 64 = 40,894,464; attention 6 * 2 * 64^2 * 64 = 3,145,728; total 44,040,192.
+    L = 128: 6 * 106,496 * 128 = 81,788,928; attention 6 * 2 * 128^2 * 64 = 12,582,912; total 94,371,840.
+    """
+    assert model_flops(TINY, 64) == 44_040_192
+    assert model_flops(TINY, 128) == 94_371_840
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+    """(result JSON, markdown) of ``python -m benchmarks.accel_step --smoke``."""
+    out = tmp_path_factory.mktemp("accel_step") / "accel_step_smoke.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-m", "benchmarks.accel_step", "--smoke", "--out", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
+
+
+def test_smoke_every_implementation_ran(smoke: tuple[dict, str]) -> None:
+    result, _ = smoke
+    assert result["dtype"] == "float32"
+    assert "6 * dense_params * L" in result["flops_formula"]
+    assert set(result["impls"]) == set(SMOKE_IMPLS)
+    for impl in SMOKE_IMPLS:
+        points = {p["seq_len"]: p for p in result["impls"][impl]["points"]}
+        assert sorted(points) == list(SMOKE_LENS), impl
+        for seq_len, p in points.items():
+            assert p["status"] == "ok", (impl, p)
+            assert p["tokens_per_s"] > 0 and p["model_tflops"] > 0, (impl, p)
+            assert p["peak_allocated_gib"] is None  # CPU: no peak recorded
+            assert p["model_flops"] == model_flops(TINY, seq_len)
+
+
+def test_smoke_losses_agree_across_processes(smoke: tuple[dict, str]) -> None:
+    """Same weights, same tokens: transformers and nxd_lc give the same first and last loss at each length."""
+    result, _ = smoke
+    pts = {impl: {p["seq_len"]: p for p in result["impls"][impl]["points"]} for impl in SMOKE_IMPLS}
+    for seq_len in SMOKE_LENS:
+        ref = pts["hf"][seq_len]
+        assert 5.5 < ref["loss_first"] < 7.0  # ~ln(512) = 6.24 for seed-0 weights and random tokens
+        for impl in ("hf_gc", "nxd_best", "nxd_norecompute", "nxd_budget_1gib"):
+            for key in ("loss_first", "loss_last"):
+                assert pts[impl][seq_len][key] == pytest.approx(ref[key], abs=1e-3), (impl, seq_len, key)
+    checks = {r["seq_len"]: r for r in result["loss_agreement"]}
+    assert sorted(checks) == list(SMOKE_LENS)
+    assert all(not r["flagged"] and r["max_abs_diff"] <= 1e-3 for r in checks.values()), checks
+
+
+def test_smoke_budget_plan_recorded_per_length(smoke: tuple[dict, str]) -> None:
+    """A budget configuration gets a plan at each length (1 GiB is plenty for the tiny model: no recomputation),
+    and its model is rebuilt from the initial weights after the first length."""
+    result, _ = smoke
+    points = result["impls"]["nxd_budget_1gib"]["points"]
+    assert [p["memory_plan"] for p in points] == ["none", "none"]
+    assert [p.get("fresh_model", False) for p in points] == [False, True]
+
+
+def test_smoke_markdown_names_each_implementation(smoke: tuple[dict, str]) -> None:
+    result, md = smoke
+    rows = [ln for ln in md.splitlines() if ln.startswith("| ")]
+    for impl in SMOKE_IMPLS:
+        assert any(ln.startswith(f"| {impl} |") for ln in rows), impl
+    assert result["ratio_baseline"] == "hf_gc"  # no Liger-Kernel on CPU
+    assert {(r["impl"], r["seq_len"]) for r in result["ratios"]} == {
+        (i, n) for i in ("nxd_best", "nxd_norecompute", "nxd_budget_1gib") for n in SMOKE_LENS}
+    assert "at <= baseline peak memory" in md
