@@ -177,6 +177,7 @@ def _stand_in_liger(calls: list[tuple[str, dict[str, Any]]]) -> types.ModuleType
     return mod
 
 
+@pytest.mark.compat
 def test_liger_sites_call_the_library_and_match_torch(monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, dict[str, Any]]] = []
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.functional", _stand_in_liger(calls))
@@ -216,6 +217,7 @@ def test_liger_sites_call_the_library_and_match_torch(monkeypatch: pytest.Monkey
 # ---- choice rules ---------------------------------------------------------------------------------------------
 
 
+@pytest.mark.compat
 def test_auto_is_torch_on_cpu_and_liger_on_cuda_where_allowed(monkeypatch: pytest.MonkeyPatch) -> None:
     auto = dict.fromkeys(fusions.FUSION_KEYS, "auto")
     assert set(fusions.resolve_fusions(auto, "cpu").values()) == {"torch"}
@@ -247,6 +249,7 @@ def test_liger_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(p) == 1 and "does not import" in p[0]
 
 
+@pytest.mark.compat
 def test_compile_auto_by_device() -> None:
     assert compile_enabled("auto", "gpu") and compile_enabled("auto", "neuron_native")
     assert not compile_enabled("auto", "cpu") and not compile_enabled("auto", "xla")
@@ -257,6 +260,7 @@ def test_compile_auto_by_device() -> None:
         compile_enabled("yes", "gpu")
 
 
+@pytest.mark.compat
 def test_config_keys_validated() -> None:
     from nxd_lc.app.validation import load_config
     from nxd_lc.config.errors import ConfigError

@@ -68,6 +68,7 @@ def test_estimates_bound_the_measured_peak(monkeypatch: pytest.MonkeyPatch, dtyp
         > measured["full_tiled_mlp", None]
 
 
+@pytest.mark.compat
 def test_planner_takes_the_fastest_plan_that_fits() -> None:
     s = _shape(torch.bfloat16, tokens=131072, hidden=2048, head_dim=64, heads_local=32, kv_heads_local=8,
                intermediate_local=8192, vocab_local=128256, layers=16)
@@ -100,6 +101,7 @@ def test_budget_forms() -> None:
             mp.parse_budget(bad)
 
 
+@pytest.mark.compat
 def test_offload_moves_layer_inputs_and_keeps_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
     packed: list[tuple[int, ...]] = []
 
@@ -131,6 +133,7 @@ def test_offload_moves_layer_inputs_and_keeps_gradients(monkeypatch: pytest.Monk
                                                                    activations_offload=True))
 
 
+@pytest.mark.compat
 def test_budget_config_rules() -> None:
     from nxd_lc.app.validation import load_config
     from nxd_lc.config.errors import ConfigError
@@ -151,6 +154,7 @@ def test_budget_config_rules() -> None:
         load_config(raw(activations_offload=True, activations_checkpoint_granularity="full", compile=True))
 
 
+@pytest.mark.compat
 def test_build_model_applies_the_budget_plan(caplog: pytest.LogCaptureFixture) -> None:
     """The run's model gets the keys of the plan chosen (and logged) for its shape: the budget below no
     recomputation's estimate gives a plan that recomputes, and the model is checkpointed as that plan says."""

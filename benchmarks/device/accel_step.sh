@@ -48,6 +48,13 @@ main() {
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'available', torch.cuda.is_available(), '| transformers', transformers.__version__)"
 
+  # Liger-Kernel's Triton kernels against nxd_lc's torch kernels (loss and every gradient), ~20 s
+  if "$PY" -c "import pytest" 2>/dev/null; then
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_fusions.py -k cuda || echo "test_liger_kernels_on_cuda FAILED"
+  else
+    echo "(pytest not installed: tests/test_fusions.py::test_liger_kernels_on_cuda not run)"
+  fi
+
   if [ ! -f "$HF_DIR/config.json" ]; then
     "$PY" -m benchmarks.accel_step prepare --hf-dir "$HF_DIR" $TINY_FLAG
   fi
