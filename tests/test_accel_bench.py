@@ -98,3 +98,19 @@ def test_smoke_markdown_names_each_implementation(smoke: tuple[dict, str]) -> No
     assert {(r["impl"], r["seq_len"]) for r in result["ratios"]} == {
         (i, n) for i in ("nxd_best", "nxd_norecompute", "nxd_budget_1gib") for n in SMOKE_LENS}
     assert "at <= baseline peak memory" in md
+
+
+def test_max_length_estimate() -> None:
+    """benchmarks/max_length.py: the peer's line and nxd_lc's longest fitting length per plan."""
+    from benchmarks import max_length as ml
+    from nxd_lc.models.common.memory_plan import estimate_bytes
+
+    # (139 - 28.3) GiB / (9.7 GiB per 65,536 tokens) = 747,927 tokens past 131,072 -> 878,999 -> 214 x 4096
+    assert ml.peer_max_length([(65536, 18.6), (131072, 28.3)], 139.0) == 876_544
+    device = 139 * 2**30
+    lengths = [ml.max_length(plan, 1024, False, device) for plan in ("none", "full", "full_offload")]
+    assert 0 < lengths[0] < lengths[1] < lengths[2]
+    longest = lengths[2]
+    fits = ml.static_bytes() + estimate_bytes(ml.shape(longest, False), "full_offload", 1024)[0]
+    over = ml.static_bytes() + estimate_bytes(ml.shape(longest + ml.STEP, False), "full_offload", 1024)[0]
+    assert fits <= device < over

@@ -36,7 +36,9 @@ vocabulary):
 * a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
   set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part);
 * the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
-  the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input and its gradient;
+  the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input and its gradient; Liger's
+  fused linear cross-entropy: its ``ceil(V / H)`` row chunks (``e + 4`` per logit, up to twice ``T H / V`` rows
+  each), the input's gradient and the float32 weight gradient (Liger-Kernel's ``fused_linear_cross_entropy``);
 * the final norm's output and the RoPE tables ``2 x 4 Dh`` per token;
 * backward's transient gradients of one MLP's activations (of its chunk when tiled), alive with what is saved.
 
@@ -198,8 +200,10 @@ def _layer_bytes(s: PlanShape, mlp_tokens: int | None = None) -> int:
 
 def _loss_bytes(s: PlanShape, chunk: int | None) -> int:
     e = s.element_size
-    if s.fused_loss:  # Liger: the input's gradient and row chunks of logits (about H rows' worth of V)
-        return 2 * s.tokens * e * s.hidden + min(s.tokens, s.hidden) * s.vocab_local * (e + 12)
+    if s.fused_loss:  # Liger: ceil(V / H) row chunks (power-of-two rows), the input's gradient, fp32 weight gradient
+        chunks = -(-s.vocab_local // s.hidden)
+        rows = min(s.tokens, 2 * -(-s.tokens // chunks))
+        return rows * s.vocab_local * (e + 4) + s.tokens * e * s.hidden + 4 * s.vocab_local * s.hidden
     rows = s.tokens if chunk is None else min(s.tokens, chunk)
     tiled_extra = s.tokens * s.hidden * (2 * e + 8) if chunk is not None else 0  # input, fp32 grad, grad cast
     return rows * s.vocab_local * (2 * e + 12) + tiled_extra
