@@ -272,8 +272,9 @@ def test_config_keys_validated() -> None:
 
     assert load_config(raw("cpu"), check_paths=False).model.compile == "auto"  # the default
     assert load_config(raw("xla", compile="auto"), check_paths=False).model.compile == "auto"  # eager there, no error
-    with pytest.raises(ConfigError, match=r"model.compile: 'sometimes' is not one of true, false, auto"):
-        load_config(raw("cpu", compile="sometimes"), check_paths=False)
+    for bad in ("sometimes", 0, 1.0):
+        with pytest.raises(ConfigError, match=rf"model.compile: {bad!r} is not one of true, false, auto"):
+            load_config(raw("cpu", compile=bad), check_paths=False)
     with pytest.raises(ConfigError, match=r"model.fusions.rope: liger needs trainer.accelerator gpu"):
         load_config(raw("cpu", fusions={"rope": "liger"}), check_paths=False)
     with pytest.raises(ConfigError, match=r"model.fusions.swiglu: 'nki' is not a kernel choice"):

@@ -15,7 +15,6 @@ from nxd_lc.config.access import (
     seq_length,
 )
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.models.common.compile import COMPILE_CHOICES
 from nxd_lc.pipeline.split import split_problems
 from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
 
@@ -203,7 +202,7 @@ def compile_on_xla_problems(cfg: NxdConfig) -> list[str]:
     """``model.compile`` is torch.compile of eager devices (CPU, CUDA, TorchNeuron's native device); torch-xla
     records and compiles lazy graphs itself (:mod:`nxd_lc.models.common.compile`). LoRA adapters have not been
     traced and checked: refused until they are."""
-    if cfg.model.compile not in COMPILE_CHOICES:
+    if not (isinstance(cfg.model.compile, bool) or cfg.model.compile == "auto"):
         return [f"model.compile: {cfg.model.compile!r} is not one of true, false, auto (auto: compiled on CUDA and "
                 "the native Neuron device, eager on CPU and torch-xla)"]
     if cfg.model.compile is not True:  # auto compiles only where it can (compile_blocker)

@@ -31,10 +31,6 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
-#: ``model.compile`` values: compile the decoder layers, do not, or by device
-COMPILE_CHOICES = (True, False, "auto")
-
-
 def compile_enabled(setting: object, accelerator: str, *, blocked_by: str | None = None) -> bool:
     """Whether the decoder layers are compiled for ``model.compile: setting`` on a resolved ``trainer.accelerator``.
 
@@ -47,9 +43,9 @@ def compile_enabled(setting: object, accelerator: str, *, blocked_by: str | None
     Raises:
         ValueError: another value (names ``model.compile`` and the choices).
     """
-    if setting is True or setting is False:
+    if isinstance(setting, bool):
         return setting
-    if setting != "auto":
+    if not isinstance(setting, str) or setting != "auto":
         raise ValueError(f"model.compile: {setting!r} is not one of true, false, auto")
     if accelerator not in ("gpu", "neuron_native"):
         return False
