@@ -32,6 +32,9 @@ arXiv:1604.06174; non-reentrant checkpointing as in torch). Parameter names and 
 region (sequence-parallel all-gathers, reduce-scatters, context-parallel exchanges) are re-run identically on
 every rank in backward. Under ``torch.no_grad`` the original forward runs.
 
+``activations_offload: true`` (nxd_lc; with ``full``) -- each recomputed layer's inputs are kept in host memory
+between forward and backward (:func:`_offloaded_checkpoint`).
+
 :func:`apply_memory_techniques` applies ``model.tiled_loss_chunk_size``, ``model.tiled_mlp_chunk_size`` and the
 activation checkpointing keys to a constructed :class:`~nxd_lc.models.llama.model.LlamaForCausalLM`.
 """
@@ -133,7 +136,8 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     When the module's class sets ``tiled_output_unused_in_recompute = True`` (nothing after its tiled MLP saves a
     tensor for backward: ``LlamaDecoderLayer``, ``LlamaMLP``), the recomputation skips the tiled MLP's chunk
     forwards (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`). With
-    ``activations_checkpoint_save_attention`` the attention outputs are kept (module docstring).
+    ``activations_checkpoint_save_attention`` the attention outputs are kept (module docstring). With
+    ``activations_offload`` the inputs go to host memory (:func:`_offloaded_checkpoint`).
     """
     forward = type(module).forward
     if not torch.is_grad_enabled():
