@@ -24,11 +24,11 @@ Budget forms: a number in (0, 1] is a fraction of plan 1's estimate (the meaning
 
 The estimate counts the bytes autograd keeps per token for nxd_lc's Llama layer with flash attention (no ``S x S``
 tensor), from the ops of its forward (``T`` tokens of the micro-batch on this rank, ``Tn`` those outside the TP
-region: ``T / tp`` under sequence parallelism; ``e`` the activation element size, ``c = 4`` bytes of float32 copies
-when ``e < 4``; local sizes ``Hq = Dh * heads/tp``, ``Hkv`` likewise, ``I = intermediate / tp``, ``Vl`` the local
-vocabulary):
+region: ``T / tp`` under sequence parallelism; ``e`` the activation element size; local sizes
+``Hq = Dh * heads/tp``, ``Hkv`` likewise, ``I = intermediate / tp``, ``Vl`` the local vocabulary):
 
-* RMSNorm: the float32 input (``c H``), its reciprocal RMS (4), the normalised output (``e H``): ``Tn (cH + eH + 4)``;
+* RMSNorm: its input and reciprocal RMS (:class:`~nxd_lc.models.common.norm.RMSNorm`'s backward recomputes the rest):
+  ``Tn (e H + 4)``;
 * attention: the projection input ``e H``, the fused q/k/v output ``e (Hq + 2 Hkv)`` (v keeps it alive), the rotated
   q and k ``e (Hq + Hkv)``, the attention output ``e Hq`` and its log-sum-exp ``4 heads/tp``, the o-projection input
   ``e Hq``: per token of ``T``;
@@ -36,7 +36,8 @@ vocabulary):
 * a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
   set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part);
 * the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
-  the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input and its gradient; Liger's
+  the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input, its gradient and the
+  gradient's scaled copy (``3 e H``) and the float32 ``[Vl, H]`` weight-gradient accumulator; Liger's
   fused linear cross-entropy: its ``ceil(V / H)`` row chunks (``e + 4`` per logit, up to twice ``T H / V`` rows
   each), the input's gradient and the float32 weight gradient (Liger-Kernel's ``fused_linear_cross_entropy``);
 * the final norm's output and the RoPE tables ``2 x 4 Dh`` per token;
@@ -175,8 +176,7 @@ def budget_problem(value: Any) -> str | None:
 
 
 def _norm(s: PlanShape, tokens: int) -> int:
-    c = 4 if s.element_size < 4 else 0
-    return tokens * (c * s.hidden + s.element_size * s.hidden + 4)
+    return tokens * (s.element_size * s.hidden + 4)
 
 
 def _attention(s: PlanShape, tokens: int) -> int:
@@ -205,7 +205,9 @@ def _loss_bytes(s: PlanShape, chunk: int | None) -> int:
         rows = min(s.tokens, 2 * -(-s.tokens // chunks))
         return rows * s.vocab_local * (e + 4) + s.tokens * e * s.hidden + 4 * s.vocab_local * s.hidden
     rows = s.tokens if chunk is None else min(s.tokens, chunk)
-    tiled_extra = s.tokens * s.hidden * (2 * e + 8) if chunk is not None else 0  # input, fp32 grad, grad cast
+    # tiled (nxd_lc.layers.tiled): the input, its gradient (input dtype) and that gradient scaled in backward;
+    # the fp32 weight-gradient accumulator [Vl, H]
+    tiled_extra = 3 * s.tokens * e * s.hidden + 4 * s.vocab_local * s.hidden if chunk is not None else 0
     return rows * s.vocab_local * (2 * e + 12) + tiled_extra
 
 

@@ -4,7 +4,8 @@ in float32.
 Shapes: x [..., H] (e.g. [B, S, H], or [B, S/tp, H] under sequence parallelism) -> same shape and dtype.
 
 ``y = weight * x / sqrt(mean(x^2, -1) + eps)``, as HF ``LlamaRMSNorm``: the normalisation in float32, the result
-cast back to x's dtype, then multiplied by the weight (in x's dtype). With ``kernel = "liger"``
+cast back to x's dtype, then multiplied by the weight (in x's dtype); backward keeps only x and the reciprocal RMS
+(:class:`_RMSNormFunction`). With ``kernel = "liger"``
 (``model.fusions.rms_norm``, :mod:`nxd_lc.layers.fusions`) Liger-Kernel's fused kernel computes the same with the
 same casting.
 
@@ -13,6 +14,8 @@ float32, cast back to x's dtype.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 from torch import nn
@@ -55,12 +58,42 @@ class RMSNorm(nn.Module):
         """x [..., H] -> [..., H], x's dtype."""
         if self.kernel == "liger":
             return liger_rms_norm(x, self.weight, self.eps)
-        x32 = x.float()  # no op for fp32 input
-        y = (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
-        return y * self.weight.to(x.dtype)
+        return _RMSNormFunction.apply(x, self.weight, self.eps)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"
+
+
+class _RMSNormFunction(torch.autograd.Function):
+    """RMSNorm that keeps only its input and the reciprocal RMS for backward (as Apex's and Liger-Kernel's fused
+    RMSNorms do), instead of autograd's float32 copy of x and the normalised output: per token ``e H + 4`` bytes
+    instead of ``4 H + e H + 4`` (``e`` = x's element size; in bf16 a third).
+
+    Forward (as HF ``LlamaRMSNorm``): ``r = rsqrt(mean(x^2) + eps)`` and ``xhat = x r`` in float32,
+    ``y = xhat.to(dtype) * w.to(dtype)``. Backward, with ``g`` the output gradient and ``gh = (g w).float()`` (the
+    derivative of ``y = x r`` with ``r`` depending on ``x``; Zhang & Sennrich 2019, arXiv:1910.07467, eq. 4 ff.):
+    ``dx = r (gh - xhat mean(gh xhat))``, ``dw = sum over tokens of g xhat`` (in g's dtype). The price: two more
+    casts in backward than autograd's graph (x and ``gh`` to float32, recomputed instead of saved).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        x32 = x.float()  # no op for fp32 input
+        rstd = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)  # [..., 1] fp32
+        ctx.save_for_backward(x, rstd, weight)
+        return (x32 * rstd).to(x.dtype) * weight.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
+        x, rstd, weight = ctx.saved_tensors
+        xhat = x.float() * rstd
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            gh = (grad * weight.to(grad.dtype)).float()
+            grad_x = (rstd * (gh - xhat * (gh * xhat).mean(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:  # in the gradient's dtype, as autograd would (the sum accumulates in fp32)
+            grad_w = (grad * xhat.to(grad.dtype)).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
+        return grad_x, grad_w, None
 
 
 class LayerNorm(nn.Module):
