@@ -110,7 +110,7 @@ def test_layer_op_count_does_not_exceed_transformers(dtype: torch.dtype) -> None
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_rms_norm_keeps_only_input_and_rstd(dtype: torch.dtype) -> None:
     """nxd_lc's RMSNorm saves x and the fp32 reciprocal RMS for backward (not autograd's fp32 copy of x and the
-    normalised output), and its gradients equal autograd's through transformers' formula."""
+    normalised output), and its gradients are bit-equal to autograd's through transformers' formula."""
     from nxd_lc.models.common.norm import RMSNorm
 
     torch.manual_seed(0)
@@ -132,9 +132,10 @@ def test_rms_norm_keeps_only_input_and_rstd(dtype: torch.dtype) -> None:
     g = torch.randn_like(y)
     y.backward(g)
     y_ref.backward(g)
-    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 2e-2, "rtol": 1e-2}
-    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
-    torch.testing.assert_close(norm.weight.grad, hf.weight.grad, **tol)
+    # the backward runs autograd's operations in autograd's order: the gradients are bit-equal, so TP layouts that
+    # compare against each other at 2e-5 after several training steps (tests/test_lora.py) round alike
+    assert torch.equal(x.grad, x_ref.grad)
+    assert torch.equal(norm.weight.grad, hf.weight.grad)
 
 
 def test_torch_kernels_equal_transformers_bitwise_in_bf16() -> None:

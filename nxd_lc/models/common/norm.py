@@ -72,7 +72,8 @@ class _RMSNormFunction(torch.autograd.Function):
     Forward (as HF ``LlamaRMSNorm``): ``r = rsqrt(mean(x^2) + eps)`` and ``xhat = x r`` in float32,
     ``y = xhat.to(dtype) * w.to(dtype)``. Backward, with ``g`` the output gradient and ``gh = (g w).float()`` (the
     derivative of ``y = x r`` with ``r`` depending on ``x``; Zhang & Sennrich 2019, arXiv:1910.07467, eq. 4 ff.):
-    ``dx = r (gh - xhat mean(gh xhat))``, ``dw = sum over tokens of g xhat`` (in g's dtype). The price: two more
+    ``dx = gh r - r^3 x mean(gh x)``, computed in the order autograd's graph would (so TP layouts round alike),
+    ``dw = sum over tokens of g xhat`` (in g's dtype). The price: two more
     casts in backward than autograd's graph (x and ``gh`` to float32, recomputed instead of saved).
     """
 
@@ -86,13 +87,14 @@ class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None, None]:
         x, rstd, weight = ctx.saved_tensors
-        xhat = x.float() * rstd
+        x32 = x.float()  # no op for fp32 input
         grad_x = grad_w = None
-        if ctx.needs_input_grad[0]:
+        if ctx.needs_input_grad[0]:  # autograd's chain through x32 * rsqrt(mean(x32^2) + eps), in its order
             gh = (grad * weight.to(grad.dtype)).float()
-            grad_x = (rstd * (gh - xhat * (gh * xhat).mean(-1, keepdim=True))).to(x.dtype)
+            d_ms = (gh * x32).sum(-1, keepdim=True) * -0.5 * rstd.pow(3)  # d / d(mean(x^2) + eps)
+            grad_x = (gh * rstd + d_ms / x.shape[-1] * (2.0 * x32)).to(x.dtype)
         if ctx.needs_input_grad[1]:  # in the gradient's dtype, as autograd would (the sum accumulates in fp32)
-            grad_w = (grad * xhat.to(grad.dtype)).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
+            grad_w = (grad * (x32 * rstd).to(grad.dtype)).sum(dim=tuple(range(grad.dim() - 1))).to(weight.dtype)
         return grad_x, grad_w, None
 
 
