@@ -58,11 +58,8 @@ def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True
             ``apply_memory_techniques`` / the kernel and plan choices).
     """
     from nxd_lc.config.schema import FusionsConfig, ModelConfig
-    from nxd_lc.layers.fusions import resolve_fusions
-    from nxd_lc.models.common.checkpointing import apply_memory_techniques
     from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers, compile_enabled
-    from nxd_lc.models.common.fusions import apply_fusions
-    from nxd_lc.models.common.memory_plan import choose_memory_plan, model_plan_shape
+    from nxd_lc.models.common.memory_plan import apply_kernels_and_memory
     from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM
@@ -79,19 +76,11 @@ def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True
     model = LlamaForCausalLM(build_llama_config(hf_dir), flash_attention=flash)
     if load_weights:
         load_hf_weights(model, hf_dir)
+    if model_cfg.activations_memory_budget is not None and tokens is None:
+        raise ValueError("build_nxd_model: activations_memory_budget needs tokens (micro batch x length)")
     compiled = compile_enabled(model_cfg.compile, accelerator)
-    kernels = resolve_fusions(vars(model_cfg.fusions), accelerator,
-                              tiled_loss=model_cfg.tiled_loss_chunk_size is not None, compiled=compiled)
-    apply_fusions(model, kernels)
-    if model_cfg.activations_memory_budget is not None:
-        if tokens is None:
-            raise ValueError("build_nxd_model: activations_memory_budget needs tokens (micro batch x length)")
-        shape = model_plan_shape(model, tokens, sequence_parallel=False, element_size=element_size,
-                                 fused_loss=kernels["cross_entropy"] == "liger")
-        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled)
-        model_cfg = dataclasses.replace(model_cfg, **plan.model_keys())
-        model.memory_plan = plan  # recorded by the benchmarks
-    apply_memory_techniques(model, model_cfg)
+    apply_kernels_and_memory(model, model_cfg, accelerator=accelerator, compiled=compiled, tokens=tokens or 0,
+                             element_size=element_size)  # a budget's plan is kept as model.memory_plan
     if compiled:  # the trainer's regional compilation (inductor on CPU / CUDA)
         compile_decoder_layers(model, compile_backend(accelerator))
     return model

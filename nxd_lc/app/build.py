@@ -69,15 +69,14 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
     model. ``accelerator``: the resolved ``trainer.accelerator`` the model will run on (None: resolved on this host),
     which decides the ``model.fusions`` kernels (:mod:`nxd_lc.layers.fusions`).
     """
-    from nxd_lc.layers.fusions import resolve_fusions
-    from nxd_lc.models.common.checkpointing import apply_memory_techniques
-    from nxd_lc.models.common.fusions import apply_fusions
+    from nxd_lc.models.common.memory_plan import apply_kernels_and_memory
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.hf_config import build_llama_config
     from nxd_lc.models.llama.hf_adapter import load_hf_weights
     from nxd_lc.models.llama.model import LlamaForCausalLM
     from nxd_lc.models.mixtral import MixtralForCausalLM
     from nxd_lc.moe.config import is_moe_model, moe_hf_overrides, moe_options
+    from nxd_lc.precision.policy import resolve_precision
 
     m, ds = cfg.model, cfg.distributed_strategy
     overrides = {"num_layers": m.num_layers, "hidden_size": m.hidden_size, "rope_theta": m.rope_theta,
@@ -109,13 +108,12 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
     if m.hf_weights_dir:
         _load_hf_weights(cfg, model, resolve_path(m.hf_weights_dir), load_hf_weights)
     accelerator = accelerator or _host_accelerator(cfg)
-    compiled = decoder_compiled(cfg, accelerator)
-    kernels = resolve_fusions(vars(m.fusions), accelerator, tensor_parallel=ds.tensor_model_parallel_size,
-                              tiled_loss=m.tiled_loss_chunk_size is not None, compiled=compiled)
-    apply_fusions(model, kernels)
-    if m.activations_memory_budget is not None:  # the memory keys from the budget (validation: none set by hand)
-        m = _planned_memory_keys(cfg, model, fused_loss=kernels["cross_entropy"] == "liger", compiled=compiled)
-    checkpointed = apply_memory_techniques(model, m)
+    policy = resolve_precision(cfg)
+    m, checkpointed = apply_kernels_and_memory(
+        model, m, accelerator=accelerator, compiled=decoder_compiled(cfg, accelerator),
+        tokens=cfg.data.micro_batch_size * (seq_length(cfg) or 0),
+        element_size=(policy.autocast_dtype or policy.param_dtype).itemsize,
+        tensor_parallel=ds.tensor_model_parallel_size, sequence_parallel=ds.sequence_parallel)
     if checkpointed:
         log.info("activation checkpointing (%s%s): %d modules recomputed in backward",
                  m.activations_checkpoint_granularity, ", inputs offloaded to host" if m.activations_offload else "",
@@ -124,24 +122,6 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)
     return hf_config, model
-
-
-def _planned_memory_keys(cfg: NxdConfig, model: Any, *, fused_loss: bool, compiled: bool) -> Any:
-    """``cfg.model`` with the memory keys of the plan chosen from ``model.activations_memory_budget``
-    (:func:`nxd_lc.models.common.memory_plan.choose_memory_plan`, logged) for this rank's share of the model."""
-    import dataclasses
-
-    from nxd_lc.models.common.memory_plan import choose_memory_plan, model_plan_shape
-    from nxd_lc.precision.policy import resolve_precision
-
-    policy = resolve_precision(cfg)
-    compute = policy.autocast_dtype or policy.param_dtype
-    shape = model_plan_shape(model, cfg.data.micro_batch_size * (seq_length(cfg) or 0),
-                             sequence_parallel=cfg.distributed_strategy.sequence_parallel,
-                             element_size=compute.itemsize, fused_loss=fused_loss)
-    plan = choose_memory_plan(shape, cfg.model.activations_memory_budget, allow_offload=not compiled)
-    log.info(plan.describe())
-    return dataclasses.replace(cfg.model, **plan.model_keys())
 
 
 def _load_hf_weights(cfg: NxdConfig, model: Any, hf_dir: str, convert: Any) -> None:

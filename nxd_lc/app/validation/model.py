@@ -8,7 +8,7 @@ from typing import Any
 
 from nxd_lc.config.access import data_parallel_size, model_seq_length
 from nxd_lc.config.schema import CHECKPOINT_METHODS, NxdConfig, checkpoint_method_problems
-from nxd_lc.layers.fusions import fusion_problems
+from nxd_lc.layers.fusions import FUSION_KEYS, fusion_problems
 from nxd_lc.models.common.memory_plan import budget_problem
 from nxd_lc.models.common.rope import rope_scaling_problems
 from nxd_lc.models.megatron import MEGATRON_KEYS, megatron_problems
@@ -90,7 +90,7 @@ def fusion_config_problems(cfg: NxdConfig) -> list[str]:
     from nxd_lc.runtime.device import resolve_accelerator
 
     fusions = cfg.model.fusions
-    values = {k: getattr(fusions, k, "auto") for k in ("rms_norm", "rope", "swiglu", "cross_entropy")}
+    values = {k: getattr(fusions, k, "auto") for k in FUSION_KEYS}
     if all(v in ("auto", "torch") for v in values.values()):
         return []  # nothing device-dependent to check
     accelerator = str(cfg.trainer.accelerator)

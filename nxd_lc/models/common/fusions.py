@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from torch import nn
 
+from nxd_lc.layers.fusions import FUSION_KEYS
 from nxd_lc.models.common.mlp import ActivationMultiplyMLP
 from nxd_lc.models.common.norm import RMSNorm
 
@@ -35,7 +36,7 @@ def apply_fusions(model: nn.Module, kernels: Mapping[str, str]) -> dict[str, int
     bad = {k: v for k, v in kernels.items() if v not in ("torch", "liger")}
     if bad:
         raise ValueError(f"apply_fusions: resolved kernels must be 'torch' or 'liger', got {bad}")
-    counts = {"rms_norm": 0, "rope": 0, "swiglu": 0, "cross_entropy": 0}
+    counts = dict.fromkeys(FUSION_KEYS, 0)
     for module in model.modules():
         if isinstance(module, RMSNorm):
             module.kernel = kernels["rms_norm"]

@@ -53,16 +53,22 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
 from nxd_lc.distributed import parallel_state
+from nxd_lc.layers.fusions import resolve_fusions
+from nxd_lc.models.common.checkpointing import apply_memory_techniques
+from nxd_lc.models.common.fusions import apply_fusions
+
+if TYPE_CHECKING:
+    from nxd_lc.config.schema import ModelConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryPlan", "PLAN_ORDER", "PlanShape", "budget_problem", "choose_memory_plan", "estimate_bytes",
-           "model_plan_shape", "parse_budget"]
+__all__ = ["MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory", "budget_problem",
+           "choose_memory_plan", "estimate_bytes", "model_plan_shape", "parse_budget"]
 
 #: the plans, fastest first (module docstring)
 PLAN_ORDER = ("none", "selective", "full", "full_tiled_mlp", "full_offload")
@@ -304,3 +310,38 @@ def model_plan_shape(model: nn.Module, tokens: int, *, sequence_parallel: bool, 
                      intermediate_local=config.intermediate_size // tp, vocab_local=model.padded_vocab_size // tp,
                      layers=len(local), tp=tp, sequence_parallel=sequence_parallel, element_size=element_size,
                      fused_loss=fused_loss)
+
+
+def apply_kernels_and_memory(model: nn.Module, model_cfg: ModelConfig, *, accelerator: str, compiled: bool,
+                             tokens: int, element_size: int, tensor_parallel: int = 1,
+                             sequence_parallel: bool = False) -> tuple[ModelConfig, list[str]]:
+    """The ``model.fusions`` kernels, then the memory keys (chosen from ``model.activations_memory_budget`` when it
+    is set, logged), applied to a built decoder: the one sequence training (:func:`nxd_lc.app.build.build_model`)
+    and the benchmarks run.
+
+    Args:
+        model: the decoder, weights loaded.
+        model_cfg: its ``model:`` config.
+        accelerator: the resolved ``trainer.accelerator`` it will run on; compiled: its decoder layers will be
+            compiled (``model.compile`` resolved).
+        tokens: micro batch x sequence length (the plan's length); element_size: bytes per activation element.
+        tensor_parallel, sequence_parallel: the layout (the loss kernel and the plan depend on it).
+
+    Returns:
+        ``(model_cfg with the plan's keys, names of the checkpointed modules)``; with a budget the chosen
+        :class:`MemoryPlan` is also kept as ``model.memory_plan``.
+
+    Raises:
+        ValueError: a kernel the device cannot run, a budget below every plan, a bad memory key (each names its key).
+    """
+    kernels = resolve_fusions(vars(model_cfg.fusions), accelerator, tensor_parallel=tensor_parallel,
+                              tiled_loss=model_cfg.tiled_loss_chunk_size is not None, compiled=compiled)
+    apply_fusions(model, kernels)
+    if model_cfg.activations_memory_budget is not None:  # validation: no memory key is also set by hand
+        shape = model_plan_shape(model, tokens, sequence_parallel=sequence_parallel, element_size=element_size,
+                                 fused_loss=kernels["cross_entropy"] == "liger")
+        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled)
+        log.info(plan.describe())
+        model_cfg = dataclasses.replace(model_cfg, **plan.model_keys())
+        model.memory_plan = plan
+    return model_cfg, apply_memory_techniques(model, model_cfg)
