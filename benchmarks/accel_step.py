@@ -22,7 +22,10 @@ steps (the statistics are reset after the warm-up step; the optimizer state alre
 recorded as null. ``loss_first`` is the warm-up step's loss, ``loss_last`` the last timed step's. An out-of-memory
 error ends the implementation's list (status ``oom``); so does any other exception (status ``error``, recorded),
 and, under ``--deadline-s``, a length whose predicted time would overrun the deadline (status ``skipped_time``;
-the prediction scales the last step quadratically in L, an upper bound of a step's growth). The result JSON is
+the prediction scales the last step quadratically in L, an upper bound of a step's growth). A configuration with
+``activations_memory_budget`` is built at each length; a length where the budget is below every plan is recorded
+as ``no_plan`` and the next length is tried (a fractional budget is infeasible at short lengths first, where the
+fixed terms of the estimate weigh most). The result JSON is
 rewritten after every point, so a killed process leaves what it finished.
 
 The tokens of length L come from a CPU generator seeded with ``TOKEN_SEED + L`` (moved to the device afterwards):
@@ -380,18 +383,23 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
             return result
 
     t0 = time.perf_counter()
+    model: Any = None
+    opt: Any = None
+    step: Any = None
     try:
-        model = _build(impl, hf_dir, device, dtype, sorted(lens)[0] if _planned(impl) else None)
+        if not _planned(impl):  # a planned configuration is built at each length, in the loop below
+            model = _build(impl, hf_dir, device, dtype, None)
     except Exception as e:  # noqa: BLE001 -- recorded, not raised: the comparison goes on
         result["build_error"] = f"{type(e).__name__}: {str(e)[:500]}"
         result["traceback"] = traceback.format_exc()[-3000:]
         _write_json(out, result)
         print(f"{impl}: build failed: {result['build_error']}", flush=True)
         return result
-    result["build_s"] = time.perf_counter() - t0
-    result["params"] = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
-    step = _step_fn(impl, model, opt)
+    if model is not None:
+        result["build_s"] = time.perf_counter() - t0
+        result["params"] = sum(p.numel() for p in model.parameters())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
+        step = _step_fn(impl, model, opt)
 
     def sync() -> None:
         if cuda:
@@ -408,16 +416,31 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
                 _write_json(out, result)
                 print(json.dumps(point), flush=True)
                 break
-        try:
-            if _planned(impl) and seq_len != sorted(lens)[0]:  # the plan of this length: a new model
-                del model, opt, step
-                gc.collect()
-                if cuda:
-                    torch.cuda.empty_cache()
+        if _planned(impl):  # the plan of this length: a new model
+            model = opt = step = None
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+            try:
+                t0 = time.perf_counter()
                 model = _build(impl, hf_dir, device, dtype, seq_len)
-                opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
-                step = _step_fn(impl, model, opt)
-                point["fresh_model"] = True  # its loss is of the initial weights, not after the earlier lengths' steps
+            except Exception as e:  # noqa: BLE001 -- recorded, not raised: the comparison goes on
+                # a fractional budget can be below every plan at one length and above one at a longer length
+                # (the fixed terms weigh less there): that length is recorded as no_plan and the next one tried
+                no_plan = isinstance(e, ValueError) and "below the smallest plan" in str(e)
+                point.update(status="no_plan" if no_plan else "error", error=f"{type(e).__name__}: {str(e)[:500]}")
+                result["points"].append(point)
+                _write_json(out, result)
+                print(json.dumps(point), flush=True)
+                if no_plan:
+                    continue
+                break
+            result.setdefault("build_s", time.perf_counter() - t0)
+            result.setdefault("params", sum(p.numel() for p in model.parameters()))
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01, fused=cuda)
+            step = _step_fn(impl, model, opt)
+            point["fresh_model"] = True  # its loss is of the initial weights, not after the earlier lengths' steps
+        try:
             plan = getattr(model, "memory_plan", None)
             if plan is not None:
                 point["memory_plan"] = plan.name
@@ -525,7 +548,7 @@ def _impl_status(entry: Mapping[str, Any]) -> str:
     if entry.get("returncode") not in (0, None):
         return "crashed"
     points = entry.get("points", [])
-    return points[-1]["status"] if points and points[-1]["status"] != "ok" else "ok"
+    return points[-1]["status"] if points and points[-1]["status"] not in ("ok", "no_plan") else "ok"
 
 
 def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, steps: int = 2,
@@ -605,7 +628,7 @@ def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, st
                 entry["killed"] = f"killed after {allotted + KILL_GRACE_S:.0f} s"
                 done = {p["seq_len"] for p in entry.get("points", [])}
                 pending = [n for n in impl_lens if n not in done]
-                if pending and not (entry["points"] and entry["points"][-1]["status"] != "ok"):
+                if pending and not (entry["points"] and entry["points"][-1]["status"] not in ("ok", "no_plan")):
                     entry["points"].append({"seq_len": pending[0], "status": "timeout"})
             if rc != 0:
                 entry["stderr_tail"] = stderr[-3000:]
@@ -689,7 +712,8 @@ def _cell(entry: Mapping[str, Any], seq_len: int, fmt: Callable[[dict[str, Any]]
         if p["seq_len"] == seq_len:
             if p["status"] == "ok":
                 return fmt(p)
-            return {"oom": "OOM", "error": "error", "skipped_time": "time", "timeout": "timeout"}.get(
+            return {"oom": "OOM", "error": "error", "skipped_time": "time", "timeout": "timeout",
+                    "no_plan": "no plan"}.get(
                 p["status"], p["status"])
     return "-"
 
