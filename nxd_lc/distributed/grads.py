@@ -153,19 +153,29 @@ def allreduce_tied_embedding_gradients(params: Iterable[nn.Parameter]) -> None:
     _coalesced_all_reduce(tied, parallel_state.get_embedding_group())
 
 
-def _norm_parts(param: nn.Parameter, tensor: torch.Tensor) -> list[torch.Tensor]:
-    """The pieces of ``tensor`` this rank counts in a global norm (see module docstring)."""
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+def _norm_parts(param: nn.Parameter, tensor: torch.Tensor) -> list[tuple[torch.Tensor, str | None]]:
+    """The pieces of ``tensor`` that count in a global norm (see module docstring), each with the group whose
+    rank 0 alone counts it (``'tp'``: a TP-replicated parameter, ``'kv'``: a KV replica) or None (every rank).
+
+    Every rank returns the same pieces; which ranks count a piece is decided in :func:`_global_norm` with the rank
+    as device data, so the norm's graph is the same on every rank (NxD's ``force_spmd``; DESIGN.md 16).
+    """
     if getattr(param, "pipeline_tied_copy", False):  # the first pipeline stage counts the tied embedding
         return []
     if not getattr(param, "tensor_model_parallel", False):
-        return [tensor] if tp_rank == 0 else []
-    if not getattr(param, "kv_replicated", False) or parallel_state.get_kv_shared_group_rank() == 0:
-        return [tensor]
+        return [(tensor, "tp")]
+    if not getattr(param, "kv_replicated", False):
+        return [(tensor, None)]
     rows = getattr(param, "kv_replicated_rows", None)
     if rows is None:
-        return []
-    return [tensor[: rows[0]], tensor[rows[1]:]]
+        return [(tensor, "kv")]
+    return [(tensor[: rows[0]], None), (tensor[rows[0]:rows[1]], "kv"), (tensor[rows[1]:], None)]
+
+
+def _first_rank_mask(name: str, device: torch.device) -> torch.Tensor:
+    """1.0 on rank 0 of group ``name`` and 0.0 elsewhere, a float32 ``[1]`` tensor computed from the rank as
+    device data (the same graph on every rank)."""
+    return (parallel_state.rank_tensor(name, device) == 0).to(torch.float32)
 
 
 def _global_norm(
@@ -177,13 +187,24 @@ def _global_norm(
     device = pairs[0][1].device if pairs else HOST
     op = "max" if math.isinf(norm_type) else "sum"
 
-    def local_part(selected: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor:
-        parts = [t for p, x in selected for t in _norm_parts(p, x) if t.numel() > 0]
-        norms = [torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device) for t in parts]
+    def reduce(norms: list[torch.Tensor]) -> torch.Tensor:
         if not norms:
             return torch.zeros(1, device=device)
         stacked = torch.stack(norms)
         return (stacked.max() if op == "max" else stacked.pow(norm_type).sum()).reshape(1)
+
+    def local_part(selected: list[tuple[nn.Parameter, torch.Tensor]]) -> torch.Tensor:
+        by_owner: dict[str | None, list[torch.Tensor]] = {None: [], "tp": [], "kv": []}
+        for p, x in selected:
+            for t, owner in _norm_parts(p, x):
+                if t.numel() > 0:
+                    by_owner[owner].append(torch.linalg.vector_norm(t, ord=norm_type, dtype=torch.float32).to(device))
+        part = reduce(by_owner[None])
+        for owner in ("tp", "kv"):  # counted by the group's rank 0 only: x 1 there, x 0 elsewhere (norms >= 0)
+            if by_owner[owner]:
+                masked = reduce(by_owner[owner]) * _first_rank_mask(owner, device)
+                part = torch.maximum(part, masked) if op == "max" else part + masked
+        return part
 
     local = local_part([(p, x) for p, x in pairs if not getattr(p, "expert_model_parallel", False)])
     experts = [(p, x) for p, x in pairs if getattr(p, "expert_model_parallel", False)]

@@ -28,7 +28,9 @@ initialised, :func:`initialize_model_parallel` must be called first; the getters
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
 
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed.collectives import ProcessGroup
@@ -44,9 +46,21 @@ class _State:
     groups: dict[str, ProcessGroup]
     ranks: dict[str, list[int]]
     all_groups: list[ProcessGroup]
+    rank_tensors: dict[tuple[str, str], torch.Tensor] = field(default_factory=dict)
 
 
-_STATE: _State | None = None
+class _Store:
+    """Holds the parallel state of this process (attribute ``state``).
+
+    One object per process: a Trainium node runs one process per NeuronCore, a GPU node one per GPU. The test bed
+    of several XLA devices in one process (``tests/xla_testbed.py``, one thread per device) replaces it with a
+    ``threading.local`` for the duration of a test, so that each device thread has its own groups and ranks.
+    """
+
+    state: _State | None = None
+
+
+_STORE: _Store = _Store()
 
 
 def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int, ep: int = 1) -> dict[str, list[list[int]]]:
@@ -152,8 +166,7 @@ def initialize_model_parallel(
         ValueError: sizes that do not divide the world size (see :func:`rank_layout`).
         RuntimeError: if already initialised (call :func:`destroy_model_parallel` first).
     """
-    global _STATE
-    if _STATE is not None:
+    if getattr(_STORE, "state", None) is not None:
         raise RuntimeError("initialize_model_parallel: already initialised; call destroy_model_parallel()")
     world = collectives.get_global_world_size()
     layout = rank_layout(
@@ -173,31 +186,32 @@ def initialize_model_parallel(
                 groups[name], ranks[name] = by_ranks[key], rank_list
     created = [g for g in by_ranks.values() if g is not None]
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-    _STATE = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
+    _STORE.state = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
 
 
 def model_parallel_is_initialized() -> bool:
     """True after :func:`initialize_model_parallel` and before :func:`destroy_model_parallel`."""
-    return _STATE is not None
+    return getattr(_STORE, "state", None) is not None
 
 
 def destroy_model_parallel() -> None:
     """Forget (and release) all groups; safe to call when nothing is initialised."""
-    global _STATE
-    if _STATE is not None and collectives.is_initialized():
-        for group in _STATE.all_groups:
+    state = getattr(_STORE, "state", None)
+    if state is not None and collectives.is_initialized():
+        for group in state.all_groups:
             collectives.destroy_group(group)
-    _STATE = None
+    _STORE.state = None
 
 
 def _state() -> _State | None:
-    if _STATE is None and collectives.is_initialized():
+    state = getattr(_STORE, "state", None)
+    if state is None and collectives.is_initialized():
         raise RuntimeError(
             "nxd_lc parallel state is not initialised: call "
             "nxd_lc.distributed.parallel_state.initialize_model_parallel(...) after "
             "torch.distributed.init_process_group"
         )
-    return _STATE
+    return state
 
 
 def _group(name: str) -> ProcessGroup | None:
@@ -222,6 +236,33 @@ def _rank(name: str) -> int:
 def _size(name: str) -> int:
     state = _state()
     return 1 if state is None else len(state.ranks[name])
+
+
+#: group names :func:`rank_tensor` knows, with the getter of the rank
+_RANK_GETTERS = {"tp": lambda: _rank("tp"), "kv": lambda: _rank("kv")}
+
+
+def rank_tensor(name: str, device: torch.device | str) -> torch.Tensor:
+    """This rank's index inside group ``name`` (``'tp'`` or ``'kv'``) as device data: an int64 tensor of shape
+    ``[1]`` on ``device``, uploaded once per device and parallel state and reused.
+
+    Rank-dependent arithmetic (a vocabulary offset, "count this part on rank 0 only") written with it traces the
+    same graph on every rank; a Python int would be baked into each rank's graph as a different constant, and on
+    XLA each rank would then compile (and cache) its own graph (DESIGN.md 16). Shape ``[1]`` rather than 0-dim:
+    torch-xla turns a 0-dim upload of 0 into a graph constant. Without torch.distributed the rank is 0.
+
+    Raises:
+        KeyError: for a name other than ``'tp'`` or ``'kv'``.
+    """
+    getter = _RANK_GETTERS[name]
+    state = _state()
+    key = (name, str(torch.device(device)))
+    if state is not None and key in state.rank_tensors:
+        return state.rank_tensors[key]
+    t = torch.tensor([getter()], dtype=torch.int64, device=device)
+    if state is not None:
+        state.rank_tensors[key] = t
+    return t
 
 
 def get_tensor_model_parallel_group() -> ProcessGroup | None:

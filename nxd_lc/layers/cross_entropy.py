@@ -26,9 +26,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, ignore_index: int) -> torch.Tensor:
         group = parallel_state.get_tensor_model_parallel_group()
-        rank = parallel_state.get_tensor_model_parallel_rank()
         vocab_local = logits.shape[-1]
-        start = rank * vocab_local
+        # this rank's first vocabulary id as device data ([1]): the same graph on every TP rank (DESIGN.md 16)
+        start = (parallel_state.rank_tensor("tp", target.device) * vocab_local
+                 if collectives.group_size(group) > 1 else 0)
         x = logits.float()  # a copy when logits are not fp32; never modify the caller's tensor
         x = x - collectives.all_reduce(x.detach().amax(dim=-1), group, op="max").unsqueeze(-1)
 

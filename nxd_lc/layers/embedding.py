@@ -73,8 +73,11 @@ class ParallelEmbedding(nn.Module):
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if tp == 1:
             return F.embedding(input_ids, self.weight)
-        outside = (input_ids < self.vocab_start_index) | (input_ids >= self.vocab_end_index)
-        local_ids = (input_ids - self.vocab_start_index).masked_fill(outside, 0)
+        # the offset as device data ([1]), not a Python int: every TP rank traces the same graph (DESIGN.md 16)
+        start = parallel_state.rank_tensor("tp", input_ids.device) * self.num_embeddings_local
+        local_ids = input_ids - start
+        outside = (local_ids < 0) | (local_ids >= self.num_embeddings_local)
+        local_ids = local_ids.masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
         if self.sequence_parallel_enabled:
             return reduce_scatter_to_sequence_parallel_region(out)

@@ -66,14 +66,20 @@ def _spans(num_tokens: int, chunk_size: int) -> list[tuple[int, int]]:
     return [(s, min(s + chunk_size, num_tokens)) for s in range(0, num_tokens, chunk_size)]
 
 
-def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor, num_valid_vocab_local: int) -> torch.Tensor:
+def vocab_parallel_logits(hidden: torch.Tensor, weight: torch.Tensor,
+                          num_valid_vocab_local: int | torch.Tensor) -> torch.Tensor:
     """This rank's logits ``hidden [..., H] @ weight[Vl, H]^T -> [..., Vl]`` with padded vocab columns masked.
 
     Columns ``>= num_valid_vocab_local`` (vocabulary padding to a multiple of TP) are set to the dtype's lowest
     finite value, so they add ``exp(...) = 0`` to every softmax and receive no gradient. ``hidden`` must already
     be in the TP region (all-gathered under SP / ``copy_to_tensor_model_parallel_region`` otherwise).
+    ``num_valid_vocab_local`` is an int, or an int64 ``[1]`` device tensor when it differs between TP ranks (the
+    mask is then always applied, so every rank traces the same graph).
     """
     logits = F.linear(hidden, weight)
+    if isinstance(num_valid_vocab_local, torch.Tensor):
+        pad = torch.arange(logits.shape[-1], device=logits.device) >= num_valid_vocab_local
+        return logits.masked_fill(pad, torch.finfo(logits.dtype).min)
     if num_valid_vocab_local < logits.shape[-1]:
         pad = torch.arange(logits.shape[-1], device=logits.device) >= num_valid_vocab_local
         logits = logits.masked_fill(pad, torch.finfo(logits.dtype).min)
@@ -126,7 +132,8 @@ class _TiledLinearCrossEntropySum(torch.autograd.Function):
 
 
 def tiled_causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int,
-                         num_valid_vocab_local: int, ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
+                         num_valid_vocab_local: int | torch.Tensor,
+                         ignore_index: int = -100) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed next-token cross-entropy of a vocab-parallel lm head, ``chunk_size`` tokens at a time.
 
     Equals ``causal_lm_loss(vocab_parallel_logits(hidden, weight, nv), labels)`` (loss and gradients of
@@ -170,7 +177,7 @@ def _chunk_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 def tiled_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *, chunk_size: int,
-                        num_valid_vocab_local: int, ignore_index: int = -100) -> torch.Tensor:
+                        num_valid_vocab_local: int | torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
     """Per-token cross-entropy ``[B, S]`` fp32 of a vocab-parallel lm head, ``chunk_size`` tokens at a time.
 
     Each chunk's ``[c, Vl]`` logits are recomputed in backward (``torch.utils.checkpoint``, non-reentrant),

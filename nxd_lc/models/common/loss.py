@@ -43,7 +43,7 @@ def causal_lm_loss_from_hidden(model: nn.Module, hidden: torch.Tensor, labels: t
     if model.tiled_loss_chunk_size is None:
         return causal_lm_loss(model.logits_from_hidden(hidden), labels, ignore_index)
     return tiled_causal_lm_loss(hidden, model.lm_head.weight, labels, chunk_size=model.tiled_loss_chunk_size,
-                                num_valid_vocab_local=model.num_valid_vocab_local, ignore_index=ignore_index)
+                                num_valid_vocab_local=model.valid_vocab_local(hidden.device), ignore_index=ignore_index)
 
 
 def causal_lm_loss(logits_local: torch.Tensor, labels: torch.Tensor,

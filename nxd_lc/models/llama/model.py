@@ -534,7 +534,19 @@ class LlamaForCausalLM(nn.Module):
 
         Padded vocab columns hold the dtype's lowest finite value (see the module docstring).
         """
-        return vocab_parallel_logits(hidden, self.lm_head.weight, self.num_valid_vocab_local)
+        return vocab_parallel_logits(hidden, self.lm_head.weight, self.valid_vocab_local(hidden.device))
+
+    def valid_vocab_local(self, device: torch.device) -> int | torch.Tensor:
+        """Real (unpadded) vocabulary entries in this TP rank's lm-head slice: the int ``num_valid_vocab_local``
+        when every rank has the same count (TP 1, or no vocabulary padding), else that count as an int64 ``[1]``
+        tensor on ``device`` computed from the TP rank as device data, so every TP rank masks its padded columns in
+        the same graph (DESIGN.md 16)."""
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if tp == 1 or self.padded_vocab_size == self.config.vocab_size:
+            return self.num_valid_vocab_local
+        vocab_local = self.padded_vocab_size // tp
+        first = parallel_state.rank_tensor("tp", device) * vocab_local
+        return (self.config.vocab_size - first).clamp(0, vocab_local)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                 segment_ids: torch.Tensor | None = None, kv_cache: KVCache | None = None) -> torch.Tensor:
