@@ -140,7 +140,9 @@ def test_core_attention_document_mask_matches_per_document(same_rows: bool) -> N
         results.append((out, *grads))
     for got in results[:2]:
         for a, b in zip(got, results[2]):
-            torch.testing.assert_close(a, b, atol=1e-6, rtol=0)
+            # fp32 summation order differs between the masked and the per-document kernels: up to 1.5e-6 measured
+            # on an AVX-512 machine (2026-11-27); the masked-vs-causal check below is what the mask must change
+            torch.testing.assert_close(a, b, atol=5e-6, rtol=0)
     causal = core_attention(q, k, v)
     assert not torch.allclose(results[0][0], causal)  # the mask does something
     torch.testing.assert_close(core_attention(q, k, v, segment_ids=torch.zeros_like(seg)), causal)
@@ -276,7 +278,8 @@ def _tp_worker(rank: int, world: int, batch: dict[str, torch.Tensor], refs: dict
         allreduce_kv_replica_gradients(model)
         torch.testing.assert_close(collectives.all_gather(logits.contiguous(), -1, group), ref_logits,
                                    atol=ATOL, rtol=0)
-        torch.testing.assert_close(loss_sum, ref_loss, atol=ATOL, rtol=0)
+        # a sum over ~100 tokens (~128): summed in another order than the reference, 1.5e-5 (1 ulp) apart here
+        torch.testing.assert_close(loss_sum, ref_loss, atol=ATOL, rtol=1e-6)
         for name, param in model.named_parameters():
             torch.testing.assert_close(param.grad, local_shard(model, name, ref_grads[name]), atol=ATOL,
                                        rtol=0, msg=f"{name} (flash_attention={flash_attention})")

@@ -174,7 +174,7 @@ class _Bed:
                     try:
                         self.fail(EXIT_TIMEOUT, f"rank {rank} waited {self.wait_timeout_s:.0f} s at cut {k} ({what} "
                                                 f"at {where}); ranks that reached it: "
-                                                f"{ {r: w for r, w in sorted(self.arrived[k].items())} }, never "
+                                                f"{dict(sorted(self.arrived[k].items()))}, never "
                                                 f"reached: {missing}, ranks that cut it: {self.done[k]}")
                     finally:
                         self.cv.acquire()
@@ -327,7 +327,7 @@ def _child(target: str, n: int, out: str, wait_timeout_s: float, kwargs: dict[st
     global _BED
     import torch.distributed as dist
 
-    sys.path.insert(0, REPO)
+    sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
     module_name, fn_name = target.split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     bed = _BED = _Bed(n, out, wait_timeout_s)

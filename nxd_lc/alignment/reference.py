@@ -45,6 +45,7 @@ from nxd_lc.config.alignment_schema import resolved_max_prompt_length
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import lora_disabled, lora_modules
+from nxd_lc.layers.param_attrs import move_module, record_parallel_attributes, restore_parallel_attributes
 from nxd_lc.runtime.accel import HOST
 from nxd_lc.runtime.xla import is_xla_tensor
 
@@ -104,12 +105,17 @@ class FrozenReference:
     layer, nothing kept for backward) and its ``[2B, S/cp, V/tp]`` logits. Not used with LoRA, where the base
     model (adapters disabled) is the reference at no extra memory.
 
+    The copy's parameters carry the policy's parallel attributes (``copy.deepcopy`` of a Parameter drops them, as
+    a move to an XLA device does; :mod:`nxd_lc.layers.param_attrs`), and so do they after :meth:`to`.
+
     Args:
         model: the policy at the start of training (weights loaded, precision applied, on its device).
     """
 
     def __init__(self, model: nn.Module) -> None:
+        attrs = record_parallel_attributes(model)
         self.model = copy.deepcopy(model)
+        restore_parallel_attributes(self.model, attrs)
         for p in self.model.parameters():
             p.requires_grad_(False)
             p.grad = None
@@ -122,8 +128,13 @@ class FrozenReference:
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def to(self, device: torch.device) -> FrozenReference:
-        """Move the copy to ``device`` (in place); returns self."""
-        self.model.to(device)
+        """Move the copy to ``device`` (in place; parallel attributes and ties kept:
+        :func:`nxd_lc.layers.param_attrs.move_module`); returns self.
+
+        Raises:
+            RuntimeError: a parameter lost a parallel attribute or a tie in the move (names the parameter).
+        """
+        move_module(self.model, device)
         return self
 
 

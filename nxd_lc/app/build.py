@@ -68,7 +68,12 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
     single process). Shared by training, the checkpoint converter and the evaluation, so all three build the same
     model. ``accelerator``: the resolved ``trainer.accelerator`` the model will run on (None: resolved on this host),
     which decides the ``model.fusions`` kernels (:mod:`nxd_lc.layers.fusions`).
+
+    Raises:
+        RuntimeError: a parameter of the built model carries no parallel attribute
+            (:func:`nxd_lc.layers.param_attrs.check_parallel_attributes`; names it).
     """
+    from nxd_lc.layers.param_attrs import check_parallel_attributes
     from nxd_lc.models.common.memory_plan import apply_kernels_and_memory
     from nxd_lc.models.common.rope import warn_if_rope_scaling_is_noop
     from nxd_lc.models.hf_config import build_llama_config
@@ -121,6 +126,7 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
     peft = peft_config(cfg)
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)
+    check_parallel_attributes(model)  # every parameter as its layer marked it (DESIGN.md 17)
     return hf_config, model
 
 

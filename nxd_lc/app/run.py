@@ -160,12 +160,14 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
 def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
     """:func:`build_model`, the move to the device and ``model.compile`` (:mod:`nxd_lc.models.common.compile`), in
     waves of ``trainer.sequential_move_factor`` ranks per
-    node (:mod:`nxd_lc.distributed.startup`)."""
+    node (:mod:`nxd_lc.distributed.startup`). The move keeps the parameters' parallel attributes and ties
+    (:func:`nxd_lc.layers.param_attrs.move_module`: ``.to()`` drops them on XLA and PrivateUse1 devices)."""
     from nxd_lc.distributed.startup import run_in_waves
+    from nxd_lc.layers.param_attrs import move_module
 
     def build() -> tuple[Any, Any]:
         hf_config, model = build_model(cfg, runtime.accelerator)
-        model = model.to(runtime.device)
+        model = move_module(model, runtime.device)
         if decoder_compiled(cfg, runtime.accelerator):  # regional torch.compile of each decoder layer (training only)
             from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers
 

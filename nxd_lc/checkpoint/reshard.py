@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from nxd_lc.checkpoint import sharded
 
@@ -261,14 +262,16 @@ def _param_state(sds: list[dict[str, Any]], idx: int, name: str, shape: torch.Si
     return out
 
 
-def _targets(optimizer: Any) -> dict[int, tuple[torch.Size, int, int, bool]]:
-    """Index in this run's optimizer state dict -> (local parameter shape, ZeRO-1 slice start, stop, sharded)."""
+def _targets(optimizer: Any) -> dict[int, tuple[torch.Size, int, int, bool, int]]:
+    """Index in this run's optimizer state dict -> (local parameter shape, ZeRO-1 slice start, stop, sharded,
+    shard size with its zero padding)."""
     from nxd_lc.optim import NxDOptimizer
 
     if isinstance(optimizer, NxDOptimizer):
-        return {i: (s.param.shape, s.start, s.stop, optimizer.zero1) for i, s in enumerate(optimizer.slots)}
+        return {i: (s.param.shape, s.start, s.stop, optimizer.zero1, s.shard_numel)
+                for i, s in enumerate(optimizer.slots)}
     params = [p for g in optimizer.param_groups for p in g["params"]]
-    return {i: (p.shape, 0, p.numel(), False) for i, p in enumerate(params)}
+    return {i: (p.shape, 0, p.numel(), False, p.numel()) for i, p in enumerate(params)}
 
 
 def _remap_groups(value: Any, saved_names: list[Any], names: list[Any]) -> Any:
@@ -321,7 +324,7 @@ def reshard_optimizer_state(model: Any, optimizer: Any, tag_dir: str, *, use_xse
     masters: list[torch.Tensor] = []
     no_masters = 0
     template_masters = (template.get("nxd") or {}).get("master_weights")
-    for idx, (shape, start, stop, zero1) in sorted(_targets(optimizer).items()):
+    for idx, (shape, start, stop, zero1, padded) in sorted(_targets(optimizer).items()):
         name = names[idx]
         found = local.get(name)
         if found is None and tied and name in _TIED:
@@ -333,7 +336,8 @@ def reshard_optimizer_state(model: Any, optimizer: Any, tag_dir: str, *, use_xse
             found = {}
         entry: dict[str, Any] = {}
         for key, value in (found or {}).items():
-            flat = value.reshape(-1)[start:stop] if zero1 else value.reshape(shape)
+            # a ZeRO-1 shard is zero-padded to the same size on every rank (NxDOptimizer._rank_slice)
+            flat = F.pad(value.reshape(-1)[start:stop], (0, padded - (stop - start))) if zero1 else value.reshape(shape)
             if key == _MASTER:
                 masters.append(flat.to(torch.float32).clone())
             else:

@@ -114,9 +114,27 @@ def shard_batch_for_context_parallel(batch: dict[str, torch.Tensor], cp_rank: in
     out = dict(batch)
     if cp_size == 1:
         return out
+    index = _shard_index(ranges, batch[seq_keys[0]].device)
     for key in seq_keys:
-        out[key] = torch.cat([batch[key][:, a:b] for a, b in ranges], dim=1).contiguous()
+        out[key] = batch[key].index_select(1, index)
     return out
+
+
+_INDEX_CACHE: dict[tuple[tuple[tuple[int, int], ...], str], torch.Tensor] = {}
+
+
+def _shard_index(ranges: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    """The sequence positions of ``ranges`` as an int64 ``[S / cp]`` tensor on ``device``, uploaded once per
+    (ranges, device): a rank's shard is then selected by device data rather than by slice offsets that differ
+    between CP ranks, so every CP rank traces the same graph on XLA (DESIGN.md 16)."""
+    key = (tuple(ranges), str(device))
+    index = _INDEX_CACHE.get(key)
+    if index is None:
+        index = torch.cat([torch.arange(a, b) for a, b in ranges]).to(device)
+        if len(_INDEX_CACHE) > 64:  # a few (length, rank, device) combinations per run; never grows unbounded
+            _INDEX_CACHE.clear()
+        _INDEX_CACHE[key] = index
+    return index
 
 
 def context_parallel_loss(loss_sum: torch.Tensor, num_tokens: torch.Tensor) -> torch.Tensor:

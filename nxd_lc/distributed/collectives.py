@@ -67,12 +67,23 @@ def group_rank(group: ProcessGroup | None) -> int:
     return 0 if group is None else dist.get_rank(group)
 
 
-def new_group(ranks: Sequence[int]) -> ProcessGroup:
+def new_group(ranks: Sequence[int], mesh: Sequence[Sequence[int]] | None = None) -> ProcessGroup:
     """Create a process group over global ``ranks``.
 
     Like ``torch.distributed.new_group`` this must be called by every process of the world
     group with the same ``ranks``, in the same order, even by processes not in ``ranks``.
+
+    ``mesh``: every rank list of the partition ``ranks`` belongs to (e.g. all TP groups). On the ``xla``
+    backend a collective is one XLA op over replica groups, which must cover every replica, and every rank of
+    the group must trace the same replica groups: torch-xla's own default (``[ranks]`` alone) fails XLA's HLO
+    verifier as soon as the group is smaller than the world ("replica groups should contain N replicas"), so
+    the whole partition is passed as the group's mesh (ranks in no list become groups of one). Ignored on other
+    backends.
     """
+    if mesh is not None and "xla" in str(dist.get_backend()).lower():
+        covered = {r for group in mesh for r in group}
+        full = [list(group) for group in mesh] + [[r] for r in range(dist.get_world_size()) if r not in covered]
+        return dist.new_group(ranks=list(ranks), pg_options={"xla_pg_options": {"mesh": full}})
     return dist.new_group(ranks=list(ranks))
 
 
@@ -263,13 +274,26 @@ def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> tor
 
 def barrier(group: ProcessGroup | None = None) -> None:
     """Block until every rank of ``group`` arrives; with ``group=None`` the world group is used
-    when torch.distributed is initialised (a no-op otherwise)."""
+    when torch.distributed is initialised (a no-op otherwise).
+
+    On the ``xla`` backend ``torch.distributed.barrier`` returns at once (torch-xla's ``ProcessGroupXla.barrier``
+    does nothing), so there the barrier is an all-reduce of one element on the XLA device, read back: the read
+    returns only after the collective ran, i.e. after every rank of the group reached it. It is a graph execution
+    and a host read of its own: for the set-up and checkpoint paths, not for an ordinary training step.
+    """
     if group is None:
-        if is_initialized():
-            dist.barrier()
+        if not is_initialized() or dist.get_world_size() == 1:
+            return
+    elif group_size(group) == 1:
         return
-    if group_size(group) > 1:
-        dist.barrier(group=group)
+    if "xla" in _backend(group if group is not None else dist.group.WORLD):
+        from nxd_lc.runtime.xla import xla_device
+
+        token = torch.zeros(1, device=xla_device())
+        dist.all_reduce(token, group=group)
+        token.cpu()  # waits for the collective: every rank of the group has arrived
+        return
+    dist.barrier(group=group)
 
 
 def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]:

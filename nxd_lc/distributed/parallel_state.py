@@ -181,7 +181,8 @@ def initialize_model_parallel(
         for rank_list in rank_lists:
             key = tuple(rank_list)
             if key not in by_ranks:  # every rank creates every distinct group, in the same order
-                by_ranks[key] = collectives.new_group(rank_list) if collectives.is_initialized() else None
+                by_ranks[key] = (collectives.new_group(rank_list, mesh=rank_lists) if collectives.is_initialized()
+                                 else None)
             if me in rank_list:
                 groups[name], ranks[name] = by_ranks[key], rank_list
     created = [g for g in by_ranks.values() if g is not None]
@@ -239,12 +240,12 @@ def _size(name: str) -> int:
 
 
 #: group names :func:`rank_tensor` knows, with the getter of the rank
-_RANK_GETTERS = {"tp": lambda: _rank("tp"), "kv": lambda: _rank("kv")}
+_RANK_GETTERS = {name: (lambda name=name: _rank(name)) for name in ("tp", "kv", "dp_cp", "edp_cp")}
 
 
 def rank_tensor(name: str, device: torch.device | str) -> torch.Tensor:
-    """This rank's index inside group ``name`` (``'tp'`` or ``'kv'``) as device data: an int64 tensor of shape
-    ``[1]`` on ``device``, uploaded once per device and parallel state and reused.
+    """This rank's index inside group ``name`` (``'tp'``, ``'kv'``, ``'dp_cp'`` or ``'edp_cp'``) as device data:
+    an int64 tensor of shape ``[1]`` on ``device``, uploaded once per device and parallel state and reused.
 
     Rank-dependent arithmetic (a vocabulary offset, "count this part on rank 0 only") written with it traces the
     same graph on every rank; a Python int would be baked into each rank's graph as a different constant, and on
@@ -252,7 +253,7 @@ def rank_tensor(name: str, device: torch.device | str) -> torch.Tensor:
     torch-xla turns a 0-dim upload of 0 into a graph constant. Without torch.distributed the rank is 0.
 
     Raises:
-        KeyError: for a name other than ``'tp'`` or ``'kv'``.
+        KeyError: for another name.
     """
     getter = _RANK_GETTERS[name]
     state = _state()

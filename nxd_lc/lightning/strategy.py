@@ -27,6 +27,7 @@ from nxd_lc.checkpoint import reshard, sharded
 from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
+from nxd_lc.layers.param_attrs import check_parallel_attributes, move_module
 from nxd_lc.lightning.callbacks import flush_loggers
 from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
@@ -100,6 +101,26 @@ class NxDStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """Keep the LightningModule unwrapped; gradient reduction is explicit (see module docstring)."""
+
+    def model_to_device(self) -> None:
+        """Move the module to ``root_device`` keeping what the parallel layers attached to its parameters and the
+        ties between shared parameters (:func:`nxd_lc.layers.param_attrs.move_module`; DESIGN.md principle 17): on
+        XLA and PrivateUse1 devices ``.to()`` creates new Parameter objects without them. Then an nxd_lc model
+        (the LightningModule's ``model``, a :class:`~nxd_lc.models.llama.LlamaForCausalLM` or subclass) is checked:
+        every parameter must carry the layout flag its layer set
+        (:func:`nxd_lc.layers.param_attrs.check_parallel_attributes`), so flags lost before this move (a plain
+        ``.to()`` or a deep copy elsewhere) fail here, not as a wrong gradient norm.
+
+        Raises:
+            RuntimeError: a parameter of the nxd_lc model carries no parallel attribute (names the parameter).
+        """
+        from nxd_lc.models.llama.model import LlamaForCausalLM
+
+        assert self.model is not None
+        self.model = move_module(self.model, self.root_device)
+        inner = getattr(self.lightning_module, "model", None)
+        if isinstance(inner, LlamaForCausalLM):
+            check_parallel_attributes(inner)
 
     def _ranks(self) -> dict[str, Any]:
         """This rank's checkpoint file coordinates (:func:`checkpoint_ranks`)."""

@@ -86,12 +86,13 @@ class _Domain:
     group: Any
     world: int
     rank: int
+    rank_name: str = "dp_cp"  # the group's name in parallel_state (the rank as device data: rank_tensor)
 
 
 @dataclass
 class _Slot:
     """One model parameter and its working tensor (full, or this rank's ZeRO-1 shard ``[start, stop)`` of the
-    flattened parameter over ``domain``; ``shard_numel`` includes padding)."""
+    flattened parameter over ``domain``, zero-padded to ``shard_numel`` elements on every rank)."""
 
     param: nn.Parameter
     work: nn.Parameter
@@ -125,7 +126,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         self._dense = _Domain(self._group, self._world, self._rank)
         self._experts = _Domain(ps.get_expert_data_parallel_group(with_context_parallel=True),
                                 ps.get_expert_data_parallel_world_size(with_context_parallel=True),
-                                ps.get_expert_data_parallel_rank(with_context_parallel=True)) if zero1 else self._dense
+                                ps.get_expert_data_parallel_rank(with_context_parallel=True),
+                                "edp_cp") if zero1 else self._dense
         self.persistent = policy.master_weights or not policy.low_precision_params
         self.slots: list[_Slot] = []
         inner_groups = []
@@ -152,7 +154,7 @@ class NxDOptimizer(torch.optim.Optimizer):
         domain = self._experts if getattr(p, "expert_model_parallel", False) else self._dense
         start, stop, per = self._shard_range(p.numel(), domain) if self.zero1 else (0, p.numel(), p.numel())
         if self.persistent:
-            src = p.detach().reshape(-1)[start:stop] if self.zero1 else p.detach()
+            src = self._rank_slice(p.detach(), per, domain) if self.zero1 else p.detach()
             work = nn.Parameter(src.to(torch.float32).clone())
         else:
             work = nn.Parameter(torch.empty(0, dtype=torch.float32, device=p.device))
@@ -161,9 +163,23 @@ class NxDOptimizer(torch.optim.Optimizer):
         return slot
 
     # ---- step ---------------------------------------------------------------------------------------------
+    @staticmethod
+    def _rank_slice(full: torch.Tensor, per: int, domain: _Domain) -> torch.Tensor:
+        """This rank's ``per`` elements of ``full`` flattened and zero-padded to ``per x domain.world``.
+
+        The shard is chosen with the rank as device data (``index_select`` by
+        :func:`~nxd_lc.distributed.parallel_state.rank_tensor`), and every rank's shard has the same size: the
+        optimizer step traces the same graph on every rank (DESIGN.md 16; a Python slice offset would differ).
+        """
+        flat = full.reshape(-1)
+        if flat.numel() < per * domain.world:
+            flat = F.pad(flat, (0, per * domain.world - flat.numel()))
+        index = ps.rank_tensor(domain.rank_name, flat.device)
+        return flat.view(domain.world, per).index_select(0, index).reshape(per)
+
     def _shard(self, s: _Slot, full: torch.Tensor) -> torch.Tensor:
         """``full`` (parameter-shaped) -> the working tensor's layout, fp32."""
-        flat = full.reshape(-1)[s.start:s.stop] if self.zero1 else full
+        flat = self._rank_slice(full, s.shard_numel, s.domain) if self.zero1 else full
         return flat.to(torch.float32)
 
     def _buckets(self) -> list[list[_Slot]]:
@@ -305,6 +321,9 @@ class NxDOptimizer(torch.optim.Optimizer):
                 f"optimizer checkpoint was written with zero1 over {saved_world or 'no'} DP x CP ranks but this run "
                 f"uses {mine or 'no'} zero1 ranks: resume with the same distributed_strategy.zero1 and DP x CP "
                 "size, or load weights only (model.weight_init_only: true)")
+        if self.zero1:  # shards saved unpadded (before every rank's shard had the same size): pad them
+            sd["state"] = {i: {k: self._padded(self.slots[i], v) for k, v in st.items()}
+                           for i, st in sd.get("state", {}).items()}
         self.inner.load_state_dict(sd)
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -312,9 +331,17 @@ class NxDOptimizer(torch.optim.Optimizer):
         masters = extra.get("master_weights")
         if masters is not None and self.persistent:
             for s, m in zip(self.slots, masters):
-                s.work.data.copy_(m.to(s.work.device))
+                s.work.data.copy_(self._padded(s, m).to(s.work.device))
         if "sr_generator" in extra:
             self._generator.set_state(extra["sr_generator"])
+
+    def _padded(self, s: _Slot, t: Any) -> Any:
+        """A saved ZeRO-1 shard tensor of ``s`` zero-padded to ``s.shard_numel`` (shards of the last ranks were
+        saved without padding by earlier versions); anything else unchanged."""
+        if (self.zero1 and torch.is_tensor(t) and t.ndim == 1 and t.numel() == s.stop - s.start
+                and t.numel() < s.shard_numel):
+            return F.pad(t, (0, s.shard_numel - t.numel()))
+        return t
 
     def full_master_weights(self) -> list[tuple[nn.Parameter, torch.Tensor]]:
         """(model parameter, its full fp32 master value) for every parameter; all-gathered under ZeRO-1
