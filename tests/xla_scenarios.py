@@ -13,6 +13,7 @@ a step is a fixed global batch split over the DP ranks; the one-device run sees 
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 import time
 from typing import Any
@@ -139,3 +140,110 @@ def _world_group() -> Any:
     import torch.distributed as dist
 
     return dist.group.WORLD
+
+
+_JOB_LOCK = threading.Lock()  # Hydra's compose and the trainer-builder wrapper are process-global
+
+
+def _job_recorder() -> Any:
+    import pytorch_lightning as pl
+
+    class Recorder(pl.Callback):
+        """Per-step loss and gradient norm (read back on every step: a test recording) and the graph counts."""
+
+        def __init__(self) -> None:
+            self.steps: dict[int, dict[str, float]] = {}
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            m = trainer.callback_metrics
+            if "reduced_train_loss" in m and trainer.global_step not in self.steps:
+                opt = trainer.optimizers[0]
+                self.steps[trainer.global_step] = {"loss": float(m["reduced_train_loss"]),
+                                                   "norm": float(m["gradient_norm"]),
+                                                   "lr": float(opt.param_groups[0]["lr"])}
+            if self.stop_after is not None and trainer.global_step >= self.stop_after:
+                trainer.should_stop = True  # after this step's checkpoint (saved in an earlier callback)
+
+        def on_validation_end(self, trainer: Any, pl_module: Any) -> None:
+            if "val_loss" in trainer.callback_metrics and not trainer.sanity_checking:
+                self.vals[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+        def on_fit_start(self, trainer: Any, pl_module: Any) -> None:
+            self.resumed_from = trainer.ckpt_path
+
+    recorder = Recorder()
+    recorder.vals, recorder.resumed_from = {}, None
+    return recorder
+
+
+def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str, max_steps: int,
+            overrides: list[str], stop_after: int | None = None) -> dict[str, Any]:
+    """``train.py``'s code path (:func:`nxd_lc.app.run.run` on the composed ``cpu_tiny_llama_config``) in this
+    device thread, ``trainer.accelerator=xla``, ``trainer.devices=world``, on the text files of ``corpus``:
+    validation and a checkpoint every 2 steps; a second call with the same ``run_dir`` resumes from its last
+    checkpoint. ``stop_after``: the run stops after that optimizer step (an interruption: the schedule is still
+    that of ``max_steps``). Returns the recorded steps (loss, gradient norm, learning rate), the validation losses,
+    a digest of this rank's final weights (sum of squares per parameter) and the checkpoint the run resumed from
+    (None: a fresh start)."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    import nxd_lc.app.run as run_module
+    import nxd_lc.lightning.trainer as trainer_module
+    from nxd_lc.app.run import run
+
+    recorder = _job_recorder()
+    recorder.stop_after = stop_after
+    base = [
+        "trainer.accelerator=xla", f"trainer.devices={world}", f"trainer.max_steps={max_steps}",
+        "trainer.log_every_n_steps=1", "+trainer.enable_progress_bar=false", "+exp_manager.preemption_signals=[]",
+        "data.micro_batch_size=2", f"data.global_batch_size={2 * 2 * world // _tp(overrides)}",
+        "~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=*.py", "data.val_fraction=0.1",
+        "data.tokenizer.vocab_size=300", f"+data.tokenizer.cache_dir={tokenizer_dir}",
+        "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
+        "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+        "model.encoder_seq_length=32", "+model.num_layers=1", "+model.hidden_size=64",
+        "model.optim.sched.warmup_steps=1", f"exp_manager.explicit_log_dir={run_dir}/run",
+        "exp_manager.create_tensorboard_logger=false", "exp_manager.log_gradient_norm=true",
+    ]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    with _JOB_LOCK:
+        with initialize_config_dir(config_dir=f"{repo}/conf", version_base=None):
+            raw = compose(config_name="cpu_tiny_llama_config", overrides=base + overrides)
+        if not hasattr(trainer_module.build_trainer, "_testbed"):
+            build = trainer_module.build_trainer
+
+            def build_with_recorder(*args: Any, **kwargs: Any) -> Any:
+                trainer = build(*args, **kwargs)
+                trainer.callbacks.append(_THREAD.recorder)
+                return trainer
+
+            build_with_recorder._testbed = True  # type: ignore[attr-defined]
+            trainer_module.build_trainer = build_with_recorder
+            build_model = run_module.build_model
+
+            def build_model_alone(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+                # the CPU generator that initialises the weights is process-wide here (one process per device on
+                # a real node): one thread at a time, from the run's seed, as each process would
+                with _BUILD_LOCK:
+                    torch.manual_seed(cfg.seed)
+                    return build_model(cfg, *args, **kwargs)
+
+            run_module.build_model = build_model_alone
+    _THREAD.recorder = recorder
+    trainer = run(raw)
+    model = trainer.lightning_module.model
+    weights = {n: float(p.detach().float().pow(2).sum().cpu()) for n, p in model.named_parameters()}
+    return {"steps": {str(k): v for k, v in sorted(recorder.steps.items())}, "weights": weights,
+            "vals": {str(k): v for k, v in sorted(recorder.vals.items())}, "global_step": int(trainer.global_step),
+            "resumed_from": recorder.resumed_from}
+
+
+_THREAD = threading.local()
+
+
+def _tp(overrides: list[str]) -> int:
+    for o in overrides:
+        if o.startswith("distributed_strategy.tensor_model_parallel_size="):
+            return int(o.split("=")[1])
+    return 1

@@ -20,9 +20,12 @@ multi-device path can go wrong into a test failure that names the place, never a
   abort) and the test fails naming the cut, the rank and the nxd_lc / test line that took the cut.
 * **Hangs**: a rank that waits longer than ``wait_timeout_s`` at a cut fails the run naming the cut, where it was
   taken, and which ranks had arrived.
-* ``xm.rendezvous`` / ``xm.mesh_reduce`` (a rank-dependent device graph by design) are replaced by a host-side
-  exchange between the threads; ``XLA_ENABLE_PARAM_ALIASING=0`` (an in-place parameter update with aliasing made
-  rank 0's sync wait for rank 1's collective).
+* Per-thread ranks where libraries keep them process-wide: torchrun's ``RANK`` / ``WORLD_SIZE`` / ... in
+  ``os.environ`` and Lightning's ``rank_zero_only.rank``, so that ``train.py``'s code path (``nxd_lc.app.run``,
+  the Lightning Trainer) runs in each device thread as in one process per device.
+* ``xm.rendezvous`` (and through it ``xm.mesh_reduce``: a rank-dependent device graph by design) is replaced by a
+  host-side exchange between the threads; ``XLA_ENABLE_PARAM_ALIASING=0`` (an in-place parameter update with
+  aliasing made rank 0's sync wait for rank 1's collective).
 
 The test bed runs in a child process (``python tests/xla_testbed.py``), started by :func:`run_on_xla_devices`:
 torch-xla's device count is fixed at its first use, a divergence or a deadlock must not take the test process
@@ -47,12 +50,14 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXIT_DIVERGENCE, EXIT_TIMEOUT, EXIT_RANK_ERROR = 3, 4, 5
+#: debugging a failed run: "1" prints every cut to stderr, "stack" also the stack that took it
+TRACE = os.environ.get("NXD_LC_TESTBED_TRACE", "")
 
 
 # ---- parent side ---------------------------------------------------------------------------------------------------
@@ -179,6 +184,10 @@ class _Bed:
                     finally:
                         self.cv.acquire()
                 self.cv.wait(timeout=min(left, 1.0) if left > 0 else 0.1)
+        if TRACE:
+            stack = "".join(traceback.format_stack(limit=14)[:-2]) if TRACE == "stack" else ""
+            sys.stderr.write(f"[testbed] cut {k} rank {rank}: {what} at {where}\n{stack}")
+            sys.stderr.flush()
         before = _compiles()
         try:
             result = do_cut()
@@ -294,11 +303,71 @@ def _install(bed: _Bed) -> None:
     def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
         return bed.exchange(("rendezvous", tag), payload, replicas)
 
-    def mesh_reduce(tag: str, data: Any, reduce_fn: Callable[[list[Any]], Any]) -> Any:
-        return reduce_fn(bed.exchange(("mesh_reduce", tag), data))
+    xm.rendezvous = rendezvous  # xm.mesh_reduce serialises CPU copies and calls it: host-side as well
 
-    xm.rendezvous = rendezvous
-    xm.mesh_reduce = mesh_reduce
+
+#: torchrun's variables, per device thread (Lightning's TorchElasticEnvironment and nxd_lc's runtime read them)
+_RANK_ENV_KEYS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK")
+
+
+class _ThreadEnviron(MutableMapping):
+    """``os.environ`` with torchrun's rank variables per device thread (every other key is the process's)."""
+
+    def __init__(self, real: Any, bed: _Bed) -> None:
+        self._real, self._bed = real, bed
+
+    def _mine(self, key: str) -> dict[str, str] | None:
+        env = getattr(self._bed.local, "env", None)
+        return env if env is not None and key in _RANK_ENV_KEYS else None
+
+    def __getitem__(self, key: str) -> str:
+        mine = self._mine(key)
+        return mine[key] if mine is not None else self._real[key]
+
+    def __setitem__(self, key: str, value: str) -> None:
+        mine = self._mine(key)
+        if mine is not None:
+            mine[key] = value
+        else:
+            self._real[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        mine = self._mine(key)
+        del (mine if mine is not None else self._real)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        env = getattr(self._bed.local, "env", None) or {}
+        return iter(sorted(set(self._real) - set(_RANK_ENV_KEYS) | set(env)))
+
+    def __len__(self) -> int:
+        return sum(1 for _ in self)
+
+    def copy(self) -> dict[str, str]:
+        return dict(self)
+
+
+def _install_rank_views(bed: _Bed) -> None:
+    """Per-thread ranks where libraries keep them process-wide: torchrun's environment variables and Lightning's
+    ``rank_zero_only.rank`` (a function attribute; read through the module global, answered with the thread's
+    rank)."""
+    import lightning_utilities.core.rank_zero as rank_zero
+
+    os.environ = _ThreadEnviron(os.environ, bed)  # type: ignore[assignment]  # noqa: B003 -- a view, by design
+    original = rank_zero.rank_zero_only
+
+    class _RankZeroOnly:
+        def __call__(self, fn: Callable[..., Any], default: Any = None) -> Any:
+            return original(fn, default)
+
+        @property
+        def rank(self) -> int:
+            return bed.rank if bed.rank is not None else getattr(original, "rank", 0)
+
+        @rank.setter
+        def rank(self, value: int) -> None:  # Lightning sets it per strategy: the thread's own rank wins
+            pass
+
+    rank_zero.rank_zero_only = _RankZeroOnly()  # type: ignore[assignment]
 
 
 def _device_thread(bed: _Bed, rank: int, fn: Callable[..., Any], kwargs: dict[str, Any], results: list[Any],
@@ -309,6 +378,8 @@ def _device_thread(bed: _Bed, rank: int, fn: Callable[..., Any], kwargs: dict[st
     import torch_xla.core.xla_model as xm
 
     bed.local.rank, bed.local.cuts = rank, 0
+    bed.local.env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(bed.n),
+                     "LOCAL_WORLD_SIZE": str(bed.n), "GROUP_RANK": "0", "NODE_RANK": "0"}
     try:
         devices = xm.get_xla_supported_devices()
         torch_xla._XLAC._xla_set_default_device(devices[rank])
@@ -332,6 +403,7 @@ def _child(target: str, n: int, out: str, wait_timeout_s: float, kwargs: dict[st
     fn = getattr(importlib.import_module(module_name), fn_name)
     bed = _BED = _Bed(n, out, wait_timeout_s)
     _install(bed)
+    _install_rank_views(bed)
     store = dist.HashStore()
     results: list[Any] = [None] * n
     threads = [threading.Thread(target=_device_thread, args=(bed, r, fn, kwargs, results, store), daemon=True,

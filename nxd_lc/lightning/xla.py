@@ -167,8 +167,21 @@ class NxDXLAStrategy(NxDStrategy, XLAStrategy):
         return dataloader
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Identity for one process (no device collective, no graph); XLA's broadcast otherwise."""
-        return obj if self.world_size == 1 else super().broadcast(obj, src)
+        """Rank ``src``'s ``obj`` on every rank, exchanged on the host (``xm.mesh_reduce`` of pickled CPU copies);
+        identity for one process.
+
+        Lightning's ``XLAStrategy.broadcast`` pickles the object into a device tensor and broadcasts that: the
+        tensor's size is each rank's own pickle's, so ranks whose objects differ (what a broadcast is for) trace
+        different graphs, and on XLA a collective whose ranks run different graphs hangs (seen on the multi-device
+        test bed when a run resumes). A tensor comes back on its original device.
+        """
+        if self.world_size == 1:
+            return obj
+        import torch_xla.core.xla_model as xm
+
+        device = obj.device if isinstance(obj, torch.Tensor) else None
+        value = xm.mesh_reduce("nxd_lc_broadcast", obj if self.global_rank == src else None, lambda objs: objs[src])
+        return value.to(device) if device is not None else value
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         """Host-side vote (``xm.mesh_reduce`` over Python ints): no device tensor, no graph."""
