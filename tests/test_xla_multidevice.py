@@ -56,6 +56,14 @@ def test_parity_with_one_device(one_device: dict, devices: int, kwargs: dict) ->
     _assert_parity(run.results, one_device)
 
 
+def test_mixtral_expert_parallel_parity_with_one_device() -> None:
+    """Mixtral (4 experts, top 2, capacity factor 4: nothing dropped) with its experts split over EP = 2 (the DP
+    ranks; tokens exchanged by all-to-all) equals one XLA device."""
+    reference = run_on_xla_devices("xla_scenarios:train", 1, {"model": "mixtral"}).results[0]
+    run = run_on_xla_devices("xla_scenarios:train", 2, {"model": "mixtral", "ep": 2})
+    _assert_parity(run.results, reference)
+
+
 def test_plain_move_loses_attributes_and_the_norm(one_device: dict) -> None:
     """The bug the production move fixes, reproduced: ``module.to(xla)`` replaces every Parameter, the parallel
     attributes are gone and at TP = 2 the global gradient norm is wrong (replicated weights counted as if

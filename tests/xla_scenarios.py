@@ -39,15 +39,28 @@ def _param_attrs(model: Any) -> dict[str, dict[str, Any]]:
     return record_parallel_attributes(model)
 
 
+def _mixtral_config() -> Any:
+    from transformers import MixtralConfig
+
+    return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.0,
+                         tie_word_embeddings=False)
+
+
 def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp: int = 1, algo: str = "ulysses",
-          zero1: bool = False, steps: int = 3, move: str = "nxd") -> dict[str, Any]:
+          zero1: bool = False, steps: int = 3, move: str = "nxd", ep: int = 1, model: str = "llama") -> dict[str, Any]:
     """``steps`` optimizer steps of :data:`MICRO_BATCHES` micro-batches each; returns the DP-averaged loss
     and the global gradient norm of every step (read after the step's cut), a digest of the norm weights'
     bytes (to compare between TP ranks) and whether every parameter kept its parallel attributes
     through the device move.
 
-    ``move``: ``'nxd'`` moves the module with :func:`nxd_lc.layers.param_attrs.move_module` (production), ``'plain'``
-    with ``module.to(device)`` (what loses the attributes on XLA).
+    ``model``: ``'llama'`` or ``'mixtral'`` (4 experts, top 2, capacity factor 4: static shapes and no token
+    dropped, so the result cannot depend on how tokens are split over ranks; the load-balancing coefficient is 0
+    because that loss is per rank's tokens by definition (Megatron / NxD) and differs from one device's over the
+    union; ``ep``: the experts split over that many DP ranks). ``move``: ``'nxd'`` moves the module with
+    :func:`nxd_lc.layers.param_attrs.move_module` (production), ``'plain'`` with ``module.to(device)`` (what
+    loses the attributes on XLA).
     """
     import torch
     import torch_xla
@@ -67,14 +80,23 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
     cfg.model.optim.lr = 3e-3
     cfg.trainer.gradient_clip_val = 0.5
     cfg.exp_manager.log_gradient_norm = True
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, kv_replicator=kv)
+    ds.expert_model_parallel_size = ep
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, kv_replicator=kv,
+                                 expert_model_parallel_size=ep)
     if cp > 1:
         set_context_parallel_algo(algo)
     device = torch_xla.device()
     with _BUILD_LOCK:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(_llama_config(), sequence_parallel=sp, kv_replicator=kv)
-    module = NxDLanguageModel(cfg, model)
+        if model == "mixtral":
+            from nxd_lc.models.mixtral import MixtralForCausalLM
+            from nxd_lc.moe.config import MoEOptions
+
+            built = MixtralForCausalLM(_mixtral_config(), moe=MoEOptions(capacity_factor=4.0, dropless=False),
+                                       sequence_parallel=sp)
+        else:
+            built = LlamaForCausalLM(_llama_config(), sequence_parallel=sp, kv_replicator=kv)
+    module = NxDLanguageModel(cfg, built)
     before = _param_attrs(module.model)
     if move == "nxd":
         module = move_module(module, device)
