@@ -5,6 +5,7 @@ evaluation."""
 from __future__ import annotations
 
 import difflib
+import math
 
 from nxd_lc.alignment.rules import validate_alignment
 from nxd_lc.config.access import peft_config, seq_length
@@ -30,6 +31,58 @@ def trainer_problems(cfg: NxdConfig) -> list[str]:
                 f"steps) or a float in (0, 1] (a fraction of an epoch); to skip validation set "
                 f"trainer.limit_val_batches: 0"]
     return []
+
+
+def _number(value: object) -> float | None:
+    """``value`` as a float when it is a real number (not a bool), else None."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def _domain(key: str, value: object, low: float, high: float = math.inf, *, low_open: bool = False,
+            high_open: bool = False) -> list[str]:
+    """``[problem]`` when ``value`` is not a finite number in the interval, naming ``key`` and the interval."""
+    x = _number(value)
+    inside = x is not None and math.isfinite(x) and (x > low if low_open else x >= low) and (
+        x < high if high_open else x <= high)
+    if inside:
+        return []
+    left, right = "(" if low_open else "[", ")" if high_open or math.isinf(high) else "]"
+    interval = f"{left}{low:g}, {'inf' if math.isinf(high) else f'{high:g}'}{right}"
+    return [f"{key}: {value!r} is not a finite number in {interval}"]
+
+
+def domain_problems(cfg: NxdConfig) -> list[str]:
+    """The numeric domain of the optimizer, schedule, clipping, seed and loader keys, checked before anything is
+    built (each of these otherwise validated and then trained wrongly or failed later with a raw torch error):
+    ``trainer.gradient_clip_val`` > 0 (0 / null: no clipping; a negative value would flip every gradient),
+    ``model.optim.lr`` / ``weight_decay`` / ``momentum`` / ``sched.min_lr`` finite and >= 0 with ``min_lr <= lr``,
+    ``betas`` in [0, 1), ``eps`` > 0, ``sched.gamma`` > 0, ``seed`` an integer in [0, 2^32) (numpy's and
+    Lightning's seed range), ``data.num_workers`` an integer >= 0."""
+    optim, p = cfg.model.optim, []
+    clip = cfg.trainer.gradient_clip_val
+    if clip is not None and clip != 0:
+        p += [f"{q}; 0 or null turns clipping off" for q in _domain("trainer.gradient_clip_val", clip, 0.0,
+                                                                     low_open=True)]
+    p += _domain("model.optim.lr", optim.lr, 0.0)
+    p += _domain("model.optim.weight_decay", optim.weight_decay, 0.0)
+    p += _domain("model.optim.momentum", optim.momentum, 0.0)
+    p += _domain("model.optim.eps", optim.eps, 0.0, low_open=True)
+    for i, beta in enumerate(list(optim.betas)[:2]):
+        p += _domain(f"model.optim.betas[{i}]", beta, 0.0, 1.0, high_open=True)
+    p += _domain("model.optim.sched.min_lr", optim.sched.min_lr, 0.0)
+    if not p and optim.sched.min_lr > optim.lr:
+        p.append(f"model.optim.sched.min_lr: {optim.sched.min_lr} is above model.optim.lr ({optim.lr}); the schedule "
+                 "would raise the learning rate while it anneals: give min_lr <= lr")
+    if optim.sched.gamma is not None:
+        p += _domain("model.optim.sched.gamma", optim.sched.gamma, 0.0, low_open=True)
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2**32:
+        p.append(f"seed: {cfg.seed!r} is not an integer in [0, 2^32)")
+    workers = cfg.data.num_workers
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
+        p.append(f"data.num_workers: {workers!r} is not an integer >= 0 (0: load in the training process)")
+    return p
 
 
 def choice_problems(cfg: NxdConfig) -> list[str]:
@@ -63,7 +116,7 @@ def choice_problems(cfg: NxdConfig) -> list[str]:
         p.append(phase)
     if len(cfg.model.optim.betas) != 2:
         p.append(f"model.optim.betas: needs two values, got {cfg.model.optim.betas}")
-    return p + precision_problems(cfg) + alignment_problems(cfg)
+    return p + domain_problems(cfg) + precision_problems(cfg) + alignment_problems(cfg)
 
 
 def alignment_problems(cfg: NxdConfig) -> list[str]:
