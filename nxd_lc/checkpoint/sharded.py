@@ -381,6 +381,9 @@ def list_checkpoints(ckpt_root: str) -> list[str]:
     records = []
     for name in os.listdir(ckpt_root):
         path = os.path.join(ckpt_root, name)
+        if os.path.islink(path):  # never a checkpoint of this run: not resumed from, not counted, never deleted
+            _warn_symlink(path)
+            continue
         if not name.startswith(".") and is_complete(path):
             step, saved_at = _done_record(path)
             records.append((step, saved_at, name))
@@ -389,6 +392,19 @@ def list_checkpoints(ckpt_root: str) -> list[str]:
     else:
         records.sort(key=lambda r: (r[1], r[2]))
     return [name for _, _, name in records]
+
+
+_WARNED_LINKS: set[str] = set()
+
+
+def _warn_symlink(path: str) -> None:
+    """Report a symbolic link inside a checkpoint directory once per process: it is left alone (a link is not
+    one of this run's checkpoints; following it for a deletion would delete something outside the run)."""
+    if path not in _WARNED_LINKS:
+        _WARNED_LINKS.add(path)
+        logger.warning("%s is a symbolic link (to %s) inside the checkpoint directory: it is not treated as a "
+                       "checkpoint and is never deleted; to resume from its target, give that path as "
+                       "exp_manager.resume_from_checkpoint", path, os.path.realpath(path))
 
 
 def latest_checkpoint(ckpt_root: str) -> str | None:
@@ -418,7 +434,8 @@ def remove_checkpoint(ckpt_root: str, tag: str) -> None:
     """Delete checkpoint ``<ckpt_root>/<tag>`` (call on global rank 0 only).
 
     The directory is first renamed to a hidden trash directory (atomic: it disappears from
-    :func:`list_checkpoints` at once), ``newest`` is rewritten, then the trash is deleted.
+    :func:`list_checkpoints` at once), ``newest`` is rewritten, then the trash is deleted. A symbolic link at
+    ``<tag>`` is reported and left alone (never followed).
 
     Raises:
         FileNotFoundError: no such checkpoint directory.
@@ -426,6 +443,9 @@ def remove_checkpoint(ckpt_root: str, tag: str) -> None:
     """
     _check_tag(tag)
     final = os.path.join(ckpt_root, tag)
+    if os.path.islink(final):  # never followed for a deletion
+        _warn_symlink(final)
+        return
     if not os.path.isdir(final):
         raise FileNotFoundError(f"cannot remove checkpoint {final!r}: no such directory")
     trash = _trash_dir(ckpt_root, tag)
@@ -439,7 +459,8 @@ def cleanup_partial(ckpt_root: str) -> list[str]:
     """Remove leftovers of crashed saves/removals in ``ckpt_root`` (global rank 0, no save running).
 
     Deletes hidden staging directories ``.<tag>.partial``, trash directories and temporary
-    ``newest`` files. Exception: a staging directory that already has ``done`` (the save crashed
+    ``newest`` files (a symbolic link of those names is unlinked, its target never touched; other links are
+    left alone). Exception: a staging directory that already has ``done`` (the save crashed
     between moving the old ``<tag>`` aside and publishing the new one) is complete and is
     published as ``<tag>`` if no ``<tag>`` exists, instead of being deleted.
 
@@ -453,6 +474,11 @@ def cleanup_partial(ckpt_root: str) -> list[str]:
         path = os.path.join(ckpt_root, name)
         m = _PARTIAL_RE.match(name)
         final = os.path.join(ckpt_root, m.group("tag")) if m else ""
+        if os.path.islink(path):
+            if m or _TRASH_RE.match(name) or name.startswith(f".{NEWEST_FILE}.tmp-"):
+                os.remove(path)  # unlinks the link itself; its target is never touched
+                removed.append(name)
+            continue
         if m and is_complete(path) and not os.path.lexists(final):
             os.replace(path, final)
             logger.warning("published complete staged checkpoint %s as %s", path, final)

@@ -136,8 +136,9 @@ def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
             log.warning("removed the leftover of an interrupted checkpoint save: %s", name)
         for name in sorted(os.listdir(paths.checkpoint_dir)):
             path = os.path.join(paths.checkpoint_dir, name)
-            if name.startswith(".") or not os.path.isdir(path) or sharded.is_complete(path):
-                continue
+            if (name.startswith(".") or os.path.islink(path) or not os.path.isdir(path)
+                    or sharded.is_complete(path)):
+                continue  # a symbolic link is reported by sharded.list_checkpoints and never followed
             if unfinished_nxd_lc_save(path):
                 shutil.rmtree(path)
                 log.warning("removed %s: an unfinished nxd_lc checkpoint save (per-rank checksum lists in %s/, no "

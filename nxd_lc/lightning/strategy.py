@@ -335,6 +335,7 @@ class NxDStrategy(DDPStrategy):
             return
         if self.is_global_zero:
             root, tag = os.path.split(os.path.abspath(str(filepath)))
-            if os.path.isdir(os.path.join(root, tag)):  # Lightning's restored top-k list may name one already gone
+            path = os.path.join(root, tag)
+            if os.path.islink(path) or os.path.isdir(path):  # the restored top-k list may name one already gone
                 sharded.remove_checkpoint(root, tag)
         self.barrier("remove_checkpoint")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 
 from nxd_lc.alignment.rules import validate_alignment
 from nxd_lc.config.access import peft_config, seq_length
@@ -137,10 +138,32 @@ def alignment_problems(cfg: NxdConfig) -> list[str]:
     return p
 
 
+def path_name_problems(cfg: NxdConfig) -> list[str]:
+    """Names that become one path component inside the run directory must stay one: ``exp_manager.name`` (the
+    run's directory under ``exp_dir``) and ``exp_manager.checkpoint_callback_params.filename`` (each checkpoint's
+    directory under ``checkpoints/``) may not contain a path separator, start with '.', or be empty. A filename
+    with '/' or '../' saved outside ``checkpoints/``, and the next start, finding no checkpoint there, began again
+    at step 1."""
+    p = []
+    for key, value in (("exp_manager.name", cfg.exp_manager.name),
+                       ("exp_manager.checkpoint_callback_params.filename",
+                        cfg.exp_manager.checkpoint_callback_params.filename)):
+        text = value if isinstance(value, str) else ""
+        if not text.strip() or text.startswith(".") or any(sep in text for sep in ("/", "\\", os.sep, "\0")):
+            p.append(f"{key}: {value!r} must be one non-empty directory name (no '/', '\\' or NUL, not starting "
+                     "with '.'); it names a directory inside the run directory")
+    return p
+
+
 def checkpoint_problems(cfg: NxdConfig) -> list[str]:
     """``exp_manager.ckpt_ptl_version`` must parse as a version (it is compared with the checkpoint's own);
-    ``exp_manager.preemption_signals`` must name signals nxd_lc handles."""
+    ``exp_manager.preemption_signals`` must name signals nxd_lc handles; names that become paths
+    (:func:`path_name_problems`)."""
     from packaging.version import InvalidVersion, Version
+
+    names = path_name_problems(cfg)
+    if names:
+        return names
 
     version = cfg.exp_manager.ckpt_ptl_version
     try:
