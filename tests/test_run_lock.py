@@ -102,3 +102,50 @@ def test_same_job_on_this_host_is_decided_by_the_pid(tmp_path: Any, monkeypatch:
     assert json.load(open(tmp_path / LOCK_FILE))["pid"] == os.getpid()
     lock.release()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def _stale_lock(log_dir: Any) -> str:
+    path = os.path.join(str(log_dir), LOCK_FILE)
+    with open(path, "w") as f:
+        json.dump({"pid": _dead_pid(), "host": socket.gethostname(), "started_at": 0.0}, f)
+    return path
+
+
+def test_two_takers_of_one_stale_lock_one_wins_the_other_refuses(tmp_path: Any, monkeypatch: Any) -> None:
+    """B judges the stale lock stale; A takes it over at that moment (the race, made deterministic); B's takeover
+    then must not move A's fresh lock aside (before this fix it did, created its own, and both held the run
+    directory): A holds it, B refuses."""
+    import nxd_lc.lightning.run_lock as run_lock
+
+    path = _stale_lock(tmp_path)
+    a, b = RunLock(str(tmp_path)), RunLock(str(tmp_path))
+    b.record = {**b.record, "pid": os.getppid()}  # another live job on this host
+    real, raced = run_lock.stale_reason, []
+
+    def racing(owner: dict) -> Any:
+        reason = real(owner)
+        if reason is not None and not raced:
+            raced.append(True)
+            a.acquire()  # A wins the race right after B judged the lock stale
+        return reason
+
+    monkeypatch.setattr(run_lock, "stale_reason", racing)
+    with pytest.raises(ConfigError, match="is in use by pid"):
+        b.acquire()
+    assert raced and a.held and not b.held
+    with open(path) as f:
+        assert json.load(f)["pid"] == os.getpid()  # A's lock, in place
+    assert not [n for n in os.listdir(tmp_path) if ".stale-" in n]
+    a.release()
+
+
+@pytest.mark.parametrize("content", [b"\x00\x01garbage", b'["not", "a", "record"]', b"\xff\xfe{"])
+def test_a_damaged_lock_is_reported_with_what_it_holds(tmp_path: Any, content: bytes) -> None:
+    path = os.path.join(str(tmp_path), LOCK_FILE)
+    with open(path, "wb") as f:
+        f.write(content)
+    with pytest.raises(ConfigError) as info:
+        RunLock(str(tmp_path)).acquire()
+    message = str(info.value)
+    assert "is damaged" in message and repr(content[:200]) in message and f"delete {path}" in message
+    assert os.path.exists(path)  # left for the user to judge

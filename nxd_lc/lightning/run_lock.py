@@ -18,9 +18,11 @@ A lock that exists is **stale**, and taken over with a warning, when
 On this host the pid decides, also within one SLURM job or torchrun run: a live owner is a concurrent job step.
 
 Otherwise the run stops with a :class:`~nxd_lc.config.errors.ConfigError` that names the lock file, its owner and
-the fix. The lock is released (the file deleted, only if it is still ours) when the run ends, also on an exception,
-and at interpreter exit. A lock left by a job killed with -9 on another host cannot be proven stale: delete it by
-hand once that job is gone (the message says so).
+the fix; a lock file that is not such a record (damaged) stops it too, quoting what the file holds. Taking
+over is atomic between takers: of two jobs that find the same stale lock, one takes it and the other finds it
+live and refuses (:meth:`RunLock._take_over`). The lock is released (the file deleted, only if it is still
+ours) when the run ends, also on an exception, and at interpreter exit. A lock left by a job killed with -9 on
+another host cannot be proven stale: delete it by hand once that job is gone (the message says so).
 """
 
 from __future__ import annotations
@@ -90,12 +92,52 @@ class RunLock:
         return True
 
     def _read_owner(self) -> dict[str, Any]:
+        return self._read_record(self.path)[0]
+
+    @staticmethod
+    def _read_record(path: str) -> tuple[dict[str, Any], Optional[str]]:
+        """``(owner record, None)``; ``({}, what the file holds)`` when it is not a JSON object (damaged);
+        ``({}, None)`` when it cannot be read (gone)."""
         try:
-            with open(self.path) as f:
-                owner = json.load(f)
-            return owner if isinstance(owner, dict) else {}
-        except (OSError, ValueError):
-            return {}
+            with open(path, "rb") as f:
+                raw = f.read(4096)
+        except OSError:
+            return {}, None
+        try:
+            owner = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            owner = None
+        if isinstance(owner, dict):
+            return owner, None
+        return {}, repr(raw[:200]) + (" ..." if len(raw) > 200 else "")
+
+    def _take_over(self, judged: dict[str, Any], inode: int) -> bool:
+        """Replace the stale lock ``judged`` (the file whose inode was ``inode`` when it was judged) by ours.
+
+        Two takers may judge the same stale lock: the first one's rename moves it aside and it creates its own;
+        the second one's rename then moves that NEW lock aside. The inode and the record tell them apart (a freed
+        inode is often reused at once, so the record is compared too: pid and start time differ): a taker that moved
+        another file than the one it judged puts it back (``os.link`` never overwrites) and does not create a lock
+        (it re-reads the owner, now live, and refuses). Returns True when this process created the lock.
+        """
+        aside = f"{self.path}.stale-{uuid.uuid4().hex}"
+        try:
+            os.replace(self.path, aside)
+        except FileNotFoundError:  # another taker moved it first: re-read on the next round
+            return False
+        if os.stat(aside).st_ino != inode or self._read_record(aside)[0] != judged:  # inodes get reused: both
+            try:
+                os.link(aside, self.path)  # someone's fresh lock: put it back
+            except OSError:  # a third lock appeared meanwhile (or no hard links here): keep the moved one
+                log.warning("the run-directory lock %s changed hands during a takeover; the lock moved aside is "
+                            "kept as %s", self.path, aside)
+                return False
+            os.remove(aside)
+            return False
+        log.warning("took over the lock %s of pid %s on %s (it held %s)", self.path, judged.get("pid"),
+                    judged.get("host"), json.dumps(judged))
+        os.remove(aside)
+        return self._create()
 
     def acquire(self) -> None:
         """Create the lock, taking over a stale one.
@@ -108,7 +150,16 @@ class RunLock:
             if self._create():
                 atexit.register(self.release)
                 return
-            owner = self._read_owner()
+            try:
+                inode = os.stat(self.path).st_ino
+            except FileNotFoundError:  # released between our create and this read: try again
+                continue
+            owner, damaged = self._read_record(self.path)
+            if damaged is not None:
+                raise ConfigError([
+                    f"exp_manager: the run-directory lock {self.path} is damaged (it holds {damaged}, not the JSON "
+                    "record of a job), so whether a job still uses this run directory cannot be told; if none "
+                    f"does, delete {self.path}"])
             if owner.get("pid") == self.record["pid"] and owner.get("host") == self.record["host"]:
                 self.held = True  # this process took it already (e.g. prewarm then the run)
                 return
@@ -124,12 +175,9 @@ class RunLock:
                     f"that job; if it is gone (e.g. killed on another host), delete {self.path}"])
             log.warning("taking over the lock %s of pid %s on %s: %s", self.path, owner.get("pid"),
                         owner.get("host"), reason)
-            aside = f"{self.path}.stale-{uuid.uuid4().hex}"
-            try:  # one taker wins the rename; the others find the new lock on their next try
-                os.replace(self.path, aside)
-                os.remove(aside)
-            except FileNotFoundError:
-                pass
+            if self._take_over(owner, inode):
+                atexit.register(self.release)
+                return
         raise ConfigError([f"exp_manager: could not take the run-directory lock {self.path} (another job keeps "
                            f"taking it); stop the other job or use another log dir"])
 
