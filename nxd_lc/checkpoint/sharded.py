@@ -210,10 +210,13 @@ class StagedSave:
     def write(self) -> None:
         """Write this rank's files and their checksums (``manifest.d/rank_<r>.json``) into the staging dir.
 
-        Never raises: an error is kept in :attr:`error` and reported by :meth:`publish` on every rank.
+        Never raises: an error is kept in :attr:`error` and reported by :meth:`publish` on every rank. A state
+        holding a NaN or an infinity is an error (:func:`check_finite`): such a checkpoint is never published.
         """
         try:
             relpaths: list[str] = []
+            for rel, state, _ in self.files:  # nothing of a checkpoint holding NaN / inf is written
+                check_finite(state, f"checkpoint {self.tag!r} (step {self.step}), {rel}")
             for rel, state, xser in self.files:
                 _write_shard(state, os.path.join(self.staging, rel), xser)
                 relpaths += integrity.files_under(self.staging, rel)
@@ -258,6 +261,49 @@ class StagedSave:
 
 def _noop() -> None:
     return None
+
+
+class NonFiniteCheckpointError(ValueError):
+    """A checkpoint's state holds NaN or infinite values: it is not published (the previous one stays newest)."""
+
+
+def _float_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(key path, tensor)`` of every floating-point tensor in a nested dict / list / tuple (``a.b.0``)."""
+    if isinstance(obj, torch.Tensor):
+        return [(path or "<root>", obj)] if obj.is_floating_point() or obj.is_complex() else []
+    if isinstance(obj, dict):
+        items = list(obj.items())
+    elif isinstance(obj, (list, tuple)):
+        items = list(enumerate(obj))
+    else:
+        return []
+    out = []
+    for key, value in items:
+        out += _float_tensors(value, f"{path}.{key}" if path else str(key))
+    return out
+
+
+def check_finite(state: Any, where: str) -> None:
+    """Raise when a floating-point tensor of ``state`` holds NaN or an infinity.
+
+    One flag per tensor, reduced on each tensor's device and read once per device (not once per tensor); only when
+    one is false are the tensors searched for the first offending key.
+
+    Raises:
+        NonFiniteCheckpointError: naming ``where`` and the tensor's key path (e.g. ``state.0.exp_avg``).
+    """
+    tensors = _float_tensors(state)
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for _, t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(torch.isfinite(t).all())
+    if all(bool(torch.stack(flags).all()) for flags in by_device.values()):
+        return
+    bad = next(key for key, t in tensors if t.numel() and not bool(torch.isfinite(t).all()))
+    raise NonFiniteCheckpointError(
+        f"{where}: tensor '{bad}' holds NaN or infinite values, so this checkpoint is not published (the previous "
+        "one stays the newest); the training diverged before this save: resume from the previous checkpoint with a "
+        "lower model.optim.lr or with gradient clipping (trainer.gradient_clip_val)")
 
 
 def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
