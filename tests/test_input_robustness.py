@@ -136,3 +136,21 @@ def test_tokenizer_directory_without_a_tokenizer_names_the_key(tmp_path: Path) -
     with pytest.raises(ValueError, match=r"data\.tokenizer\.type: cannot load a tokenizer from .*tok"):
         load_tokenizer(TokenizerConfig(type=str(tmp_path / "tok")), None)
     assert os.path.isdir(tmp_path / "tok")
+
+
+def test_tokenizer_directory_with_custom_code_is_refused_and_its_code_never_runs(tmp_path: Path) -> None:
+    """A tokenizer directory whose tokenizer_config.json maps AutoTokenizer to Python code in the directory (HF's
+    ``auto_map``): transformers asked on the terminal whether to run it; nxd_lc refuses, naming the file."""
+    tok_dir = tmp_path / "tok"
+    train_bytelevel_bpe(["a text to learn a few merges from"] * 20, 300).save_pretrained(tok_dir)
+    marker = tmp_path / "code_ran"
+    (tok_dir / "custom_tok.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n"
+                                           "from transformers import PreTrainedTokenizerFast as CustomTok\n")
+    config_path = tok_dir / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["auto_map"] = {"AutoTokenizer": [None, "custom_tok.CustomTok"]}
+    config_path.write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.type: .*tokenizer_config\.json maps classes to Python "
+                                         r"code .*auto_map.*never runs code"):
+        load_tokenizer(TokenizerConfig(type=str(tok_dir)), None)
+    assert not marker.exists()

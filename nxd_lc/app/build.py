@@ -204,7 +204,8 @@ def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) 
         if is_rank0 and tok and os.path.isdir(resolve_path(tok)):
             from transformers import AutoTokenizer
 
-            AutoTokenizer.from_pretrained(resolve_path(tok)).save_pretrained(out)
+            AutoTokenizer.from_pretrained(resolve_path(tok), local_files_only=True,
+                                          trust_remote_code=False).save_pretrained(out)
             log.info("merged model saved: %s", out)
     collectives.barrier()
 

@@ -29,6 +29,7 @@ path and publish it with an atomic ``os.replace``; the others wait for the publi
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -227,12 +228,39 @@ def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Itera
              time.perf_counter() - start)
 
 
+#: files of an HF model / tokenizer directory whose ``auto_map`` points transformers at Python code in the directory
+_CODE_MAP_FILES = ("tokenizer_config.json", "config.json")
+
+
+def refuse_remote_code(directory: str, key: str) -> None:
+    """Raise when ``directory`` asks transformers to run its own Python code (an ``auto_map`` entry in
+    ``tokenizer_config.json`` or ``config.json``): nxd_lc never runs code from a model directory. Every load also
+    passes ``trust_remote_code=False``, so such a directory can never prompt on the terminal or run its code.
+
+    Raises:
+        ValueError: naming ``key``, the file and the classes it maps.
+    """
+    for name in _CODE_MAP_FILES:
+        path = os.path.join(directory, name)
+        try:
+            with open(path, encoding="utf-8") as f:
+                record = json.load(f)
+        except (OSError, ValueError):
+            continue  # absent, or damaged: the loader's own error names it
+        if isinstance(record, dict) and record.get("auto_map"):
+            raise ValueError(f"{key}: {path} maps classes to Python code in the directory (auto_map: "
+                             f"{record['auto_map']}); nxd_lc never runs code from a model directory: use a "
+                             "tokenizer / model of a built-in type (a fast tokenizer.json)")
+
+
 def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
               require_fast: bool = True) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
+    refuse_remote_code(directory, "data.tokenizer.type")
     try:
-        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast)
+        tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast,
+                                            trust_remote_code=False)
     except (OSError, ValueError, ImportError) as e:
         raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: {e}") from e
     if require_fast and not getattr(tok, "is_fast", False):

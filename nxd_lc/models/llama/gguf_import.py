@@ -248,7 +248,8 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, config: LlamaConfig) -> None
     ``chat_template.jinja`` from the GGUF's tokenizer (transformers' GGUF tokenizer reader, offline)."""
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True)
+    tok = AutoTokenizer.from_pretrained(str(gguf_path.parent), gguf_file=gguf_path.name, local_files_only=True,
+                                        trust_remote_code=False)
     tok.model_max_length = config.max_position_embeddings
     tok.save_pretrained(str(out_dir))
     cfg_file = out_dir / "tokenizer_config.json"
