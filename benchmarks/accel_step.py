@@ -547,8 +547,15 @@ def _impl_status(entry: Mapping[str, Any]) -> str:
         return "timeout"
     if entry.get("returncode") not in (0, None):
         return "crashed"
+    return _ending_status(entry) or "ok"
+
+
+def _ending_status(entry: Mapping[str, Any]) -> str | None:
+    """The status of the point that ended an implementation's lengths early (oom, error, skipped_time, ...), or
+    None when its last point is ``ok`` or ``no_plan`` (after which the next length is tried) or it has none."""
     points = entry.get("points", [])
-    return points[-1]["status"] if points and points[-1]["status"] not in ("ok", "no_plan") else "ok"
+    status = points[-1]["status"] if points else None
+    return None if status in (None, "ok", "no_plan") else status
 
 
 def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, steps: int = 2,
@@ -628,7 +635,7 @@ def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, st
                 entry["killed"] = f"killed after {allotted + KILL_GRACE_S:.0f} s"
                 done = {p["seq_len"] for p in entry.get("points", [])}
                 pending = [n for n in impl_lens if n not in done]
-                if pending and not (entry["points"] and entry["points"][-1]["status"] not in ("ok", "no_plan")):
+                if pending and _ending_status(entry) is None:
                     entry["points"].append({"seq_len": pending[0], "status": "timeout"})
             if rc != 0:
                 entry["stderr_tail"] = stderr[-3000:]

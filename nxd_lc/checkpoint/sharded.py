@@ -520,23 +520,16 @@ def cleanup_partial(ckpt_root: str) -> list[str]:
         path = os.path.join(ckpt_root, name)
         m = _PARTIAL_RE.match(name)
         final = os.path.join(ckpt_root, m.group("tag")) if m else ""
-        if os.path.islink(path):
-            if m or _TRASH_RE.match(name) or name.startswith(f".{NEWEST_FILE}.tmp-"):
-                os.remove(path)  # unlinks the link itself; its target is never touched
-                removed.append(name)
-            continue
-        if m and is_complete(path) and not os.path.lexists(final):
+        link = os.path.islink(path)  # a link is never promoted nor followed: os.remove unlinks the link itself
+        if m and not link and is_complete(path) and not os.path.lexists(final):
             os.replace(path, final)
             logger.warning("published complete staged checkpoint %s as %s", path, final)
             promoted = True
-        elif m or _TRASH_RE.match(name):
-            if os.path.isdir(path):
+        elif m or _TRASH_RE.match(name) or name.startswith(f".{NEWEST_FILE}.tmp-"):
+            if os.path.isdir(path) and not link:
                 shutil.rmtree(path)
             else:
                 os.remove(path)
-            removed.append(name)
-        elif name.startswith(f".{NEWEST_FILE}.tmp-"):
-            os.remove(path)
             removed.append(name)
     fsync_dir(ckpt_root)
     if promoted:
