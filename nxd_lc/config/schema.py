@@ -36,6 +36,9 @@ class TrainerConfig:
     limit_val_batches: Any = 1.0  # int = number of validation batches, float = fraction; 0 disables validation
     limit_test_batches: Any = 0.0  # int or fraction of test batches
     gradient_clip_val: Optional[float] = None  # clip the global (TP/DP-aware) gradient 2-norm to this value
+    # a step whose loss / gradient norm is NaN or inf is not applied (Megatron's name; nxd_lc.lightning.nonfinite)
+    check_for_nan_in_loss_and_grad: bool = True
+    max_consecutive_nonfinite_steps: int = 1  # the run stops (non-zero exit) after this many such steps in a row
     enable_progress_bar: bool = True  # show Lightning's progress bar on rank 0
     lnc: Optional[int] = None  # Trainium2 logical NeuronCore config (Trainium issue)
     sequential_move_factor: Optional[int] = None  # ranks per node that build / move the model at a time (None: all)

@@ -46,6 +46,7 @@ from nxd_lc.data.curriculum import CurriculumStage, curriculum_stages, stage_at
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.distributed.grads import gradient_bucket_size_mb
+from nxd_lc.lightning.nonfinite import NonFiniteStepGuard
 from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
 from nxd_lc.precision import apply_precision, resolve_precision
 from nxd_lc.runtime import xla as xla_runtime
@@ -75,6 +76,10 @@ class NxDLanguageModel(pl.LightningModule):
         self._loss_acc: Optional[torch.Tensor] = None  # sum of micro-batch losses since the last step
         self._loss_count = 0
         self._grad_norm: Optional[torch.Tensor] = None
+        # trainer.check_for_nan_in_loss_and_grad: a NaN / inf step is not applied; the run stops after N in a row
+        self.nonfinite_guard = (NonFiniteStepGuard(cfg.trainer.max_consecutive_nonfinite_steps)
+                                if cfg.trainer.check_for_nan_in_loss_and_grad else None)
+        self._guard_checked_step = -1
         self._val_loss_sum: Optional[torch.Tensor] = None
         self.pipeline = self._build_pipeline()
         self.curriculum = curriculum_stages(cfg)  # data.curriculum: RoPE and global batch per stage
@@ -258,8 +263,12 @@ class NxDLanguageModel(pl.LightningModule):
         grads.allreduce_data_parallel_gradients(params, with_context_parallel=True,
                                                 bucket_size_mb=gradient_bucket_size_mb(self.cfg),
                                                 fp32=self.cfg.precision.fp32_grads_cc)
-        need_norm = self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
+        need_norm = (self.cfg.exp_manager.log_gradient_norm or self.cfg.trainer.gradient_clip_val
+                     or self.nonfinite_guard is not None)
         self._grad_norm = grads.global_grad_norm(params) if need_norm else None
+        if self.nonfinite_guard is not None and self._grad_norm is not None:
+            step = int(self.trainer.global_step) + 1 if self._trainer is not None else None
+            self.nonfinite_guard.before_step(self._grad_norm, step, optimizer, params)
 
     def configure_gradient_clipping(self, optimizer: torch.optim.Optimizer,
                                     gradient_clip_val: Optional[float] = None,
@@ -279,9 +288,36 @@ class NxDLanguageModel(pl.LightningModule):
         """Step, then advance consumed samples and log the step's metrics (device tensors, not read back here),
         then cut the lazy graph on XLA so that callbacks reading metrics find them computed."""
         super().optimizer_step(epoch, batch_idx, optimizer, optimizer_closure)
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.after_step(optimizer)
         self._advance_samples_fn(self.step_global_batch_size())
         self._log_step_metrics(optimizer)
         self._step_boundary()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        """On XLA, at an optimizer-step boundary where the host reads the device anyway (a logging step, the last
+        step), read the non-finite counters (:meth:`NonFiniteStepGuard.check`; raises when the limit was reached).
+        Checkpoint saves check in :meth:`on_save_checkpoint`."""
+        guard, trainer = self.nonfinite_guard, self.trainer
+        step = int(trainer.global_step)
+        if guard is None or not guard.in_graph or step == self._guard_checked_step:
+            return
+        if step % max(int(self.cfg.trainer.log_every_n_steps), 1) == 0 or step >= int(trainer.max_steps):
+            self._guard_checked_step = step
+            guard.check()
+
+    def on_train_end(self) -> None:
+        """The run ends: non-finite steps since the last read stop it with an error (XLA; see
+        :meth:`on_train_batch_end`)."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.check()
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Before any checkpoint file is written: a run that reached ``trainer.max_consecutive_nonfinite_steps``
+        on XLA (not read back yet) stops here instead of saving (:class:`~nxd_lc.lightning.nonfinite.
+        NonFiniteTrainingError`)."""
+        if self.nonfinite_guard is not None:
+            self.nonfinite_guard.check()
 
     def _log_step_metrics(self, optimizer: Any) -> None:
         """Log the step's metrics. Device tensors (loss, norms) stay on the device and off the progress bar;

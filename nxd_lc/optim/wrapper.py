@@ -141,6 +141,9 @@ class NxDOptimizer(torch.optim.Optimizer):
         super().__init__([s.work for s in self.slots], dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
+        # set by nxd_lc.optim.nonfinite.skip_update when the step's gradients are not finite: the next step() runs
+        # its closure and changes nothing else (no inner step, no write-back, no rounding draw); reset by step()
+        self.skip_next_step = False
         self._store_state(policy.optim_state_dtype)
 
     # ---- construction -------------------------------------------------------------------------------------
@@ -267,6 +270,9 @@ class NxDOptimizer(torch.optim.Optimizer):
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:  # type: ignore[override]
         """Run ``closure`` (forward/backward/grad reduction), step the fp32 working tensors, write them back.
 
+        When :attr:`skip_next_step` is set (by the closure's non-finite check, :func:`nxd_lc.optim.nonfinite.
+        skip_update`), nothing but the closure runs, and the flag is cleared.
+
         Returns:
             the closure's result (None without closure).
         """
@@ -274,6 +280,9 @@ class NxDOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self.skip_next_step:
+            self.skip_next_step = False
+            return loss
         for bucket in self._buckets():  # the inner optimizer skips working tensors whose .grad is None
             self._load_work(bucket)
             self._store_state(torch.float32, bucket)

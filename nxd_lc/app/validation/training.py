@@ -60,7 +60,8 @@ def domain_problems(cfg: NxdConfig) -> list[str]:
     ``trainer.gradient_clip_val`` > 0 (0 / null: no clipping; a negative value would flip every gradient),
     ``model.optim.lr`` / ``weight_decay`` / ``momentum`` / ``sched.min_lr`` finite and >= 0 with ``min_lr <= lr``,
     ``betas`` in [0, 1), ``eps`` > 0, ``sched.gamma`` > 0, ``seed`` an integer in [0, 2^32) (numpy's and
-    Lightning's seed range), ``data.num_workers`` an integer >= 0."""
+    Lightning's seed range), ``data.num_workers`` an integer >= 0, ``trainer.max_consecutive_nonfinite_steps`` an
+    integer >= 1."""
     optim, p = cfg.model.optim, []
     clip = cfg.trainer.gradient_clip_val
     if clip is not None and clip != 0:
@@ -83,6 +84,11 @@ def domain_problems(cfg: NxdConfig) -> list[str]:
     workers = cfg.data.num_workers
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 0:
         p.append(f"data.num_workers: {workers!r} is not an integer >= 0 (0: load in the training process)")
+    limit = cfg.trainer.max_consecutive_nonfinite_steps
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        p.append(f"trainer.max_consecutive_nonfinite_steps: {limit!r} is not an integer >= 1 (1: stop at the first "
+                 "step with a NaN / infinite loss or gradient norm; trainer.check_for_nan_in_loss_and_grad: false "
+                 "turns the check off)")
     return p
 
 
