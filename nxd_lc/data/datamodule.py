@@ -213,8 +213,8 @@ class PretrainingDataModule(pl.LightningDataModule):
             if kind == "corpus":
                 tr, va = train, val
             elif kind == "synthetic":
-                tr = PackedDataset(self._synthetic(entry, "train", train, cache_dir))
-                va = PackedDataset(self._synthetic(entry, "val", val, cache_dir)) if val is not None else None
+                tr = self._checked(self._synthetic(entry, "train", train, cache_dir))
+                va = self._checked(self._synthetic(entry, "val", val, cache_dir)) if val is not None else None
             else:
                 src = resolve_source(kind, file_glob=c.file_glob, text_key=c.text_key,
                                      key_name=f"data.mixture[{i}].source")
@@ -268,13 +268,21 @@ class PretrainingDataModule(pl.LightningDataModule):
         spec = (int(up["min_tokens"]), float(up["factor"]), self.seed) if up and upsample else None
         path = build_packed_samples(src, self.tokenizer, self.seq_length, cache_dir, barrier=self.barrier,
                                     upsample=spec)
-        ds = PackedDataset(path)
-        if src.pretokenized:
-            top = ds.max_token_id()
-            if top >= self.model_vocab_size:
-                raise ValueError(f"{src.key_name}: token id {top} in {src.path} is >= the model vocab_size "
-                                 f"{self.model_vocab_size} (model.model_config); the data was tokenized for "
-                                 "another vocabulary")
+        if not src.pretokenized:
+            return self._checked(path)
+        ds = PackedDataset(path, seq_length=self.seq_length)
+        top = ds.max_token_id()
+        if top >= self.model_vocab_size:
+            raise ValueError(f"{src.key_name}: token id {top} in {src.path} is >= the model vocab_size "
+                             f"{self.model_vocab_size} (model.model_config); the data was tokenized for "
+                             "another vocabulary")
+        return ds
+
+    def _checked(self, path: str) -> PackedDataset:
+        """The packed cache ``path`` of this run's tokenizer, verified: rows of ``seq_length + 1`` int32 ids within
+        the model's vocabulary (else ValueError naming the file: delete it, it is rebuilt)."""
+        ds = PackedDataset(path, seq_length=self.seq_length)
+        ds.check_token_ids(self.model_vocab_size)
         return ds
 
     def _check_val_size(self) -> None:

@@ -23,8 +23,15 @@ index)``, so orders are deterministic but not Megatron's bit for bit.
 
 The index arrays (document order, cumulative document ends, sample permutation) are built once per node and cached
 as ``.npy`` files in ``<index_mapping_dir or the prefix's directory>/<prefix name>-<split>-<key>-index/`` (key: the
-prefix path, its sizes, the document range, S, seed, shuffle and the extra token), then memory-mapped by every rank
-and DataLoader worker.
+prefix path, the SHA-256 of its whole ``.idx`` -- every sequence's size and pointer, so reordered or resized data
+never reuses an index --, the document range, S, seed, shuffle and the extra token), then memory-mapped by every
+rank and DataLoader worker. The arrays are checked on load (shapes, dtypes, the stream length, positions in range);
+an index that does not fit is built again with a warning by the builder (local rank 0); a rank that still finds
+it damaged after the build stops naming it.
+
+Token ids: each ``.bin`` is scanned once (its id range cached next to the index, :func:`check_token_ids`) and every
+row again when read, in the file's dtype before the int32 cast, so ids >= the model's vocab_size, negative ids or
+int64 ids that would wrap around in int32 stop the run naming the file and the sequence.
 
 Rows are int32 ``[S + 1]``; -100 marks a position without a token (the no-plus-one tail, validation padding):
 the collate function reads it as no label and input id 0.
@@ -33,8 +40,10 @@ the collate function reads it as no label and input id 0.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
+import shutil
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -44,14 +53,15 @@ import torch.utils.data
 
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import MEGATRON_DATA_KEY_DEFAULTS, DataConfig
-from nxd_lc.data.megatron_indexed import IndexedDataset, data_path, index_path
-from nxd_lc.data.tokenizer import build_once
+from nxd_lc.data.megatron_indexed import IndexedDataset, data_path, index_path, token_id_error
+from nxd_lc.data.tokenizer import build_once, default_is_builder
 
 log = logging.getLogger(__name__)
 
 SPLITS = ("train", "validation", "test")
 IGNORE = -100  # a row entry without a token
-_FORMAT_VERSION = "megatron-index-v1"
+_FORMAT_VERSION = "megatron-index-v2"
+_INT32_LIMIT = 2**31  # rows are int32: a larger id would wrap around
 Blend = list[tuple[float, str]]
 
 
@@ -175,11 +185,14 @@ class GPTSamples(torch.utils.data.Dataset):
         self.indexed, self.seq_length, self.extra = indexed, seq_length, int(add_extra_token)
         self.lo, self.vocab_limit = doc_range[0], vocab_limit
         sizes = indexed.sizes[doc_range[0]:doc_range[1]]
-        parts = (_FORMAT_VERSION, os.path.abspath(indexed.prefix), indexed.sequence_count, int(sizes.sum()),
-                 doc_range, seq_length, seed, stream, self.extra)
+        parts = (_FORMAT_VERSION, os.path.abspath(indexed.prefix), indexed.content_digest, doc_range, seq_length,
+                 seed, stream, self.extra)
         key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
         root = resolve_path(cache_dir) if cache_dir else os.path.dirname(os.path.abspath(indexed.prefix))
         self.cache = os.path.join(root, f"{os.path.basename(indexed.prefix)}-{split}-{key}-index")
+        total = int(sizes.sum(dtype=np.int64))
+        self._expected = (len(sizes), total, max(0, (total - self.extra) // seq_length))
+        self._arrays: dict[str, np.ndarray] | None = None
 
         def build(tmp: str) -> None:
             rng = None if seed is None else np.random.default_rng([seed, *stream])
@@ -188,17 +201,49 @@ class GPTSamples(torch.utils.data.Dataset):
                                                                                  add_extra_token)):
                 np.save(os.path.join(tmp, name + ".npy"), arr)
 
+        builder = default_is_builder()
+        if builder and os.path.exists(self.cache):
+            problem = self._cache_problem()
+            if problem:
+                log.warning("the sample index %s does not fit %s (%s): building it again", self.cache,
+                            indexed.prefix, problem)
+                shutil.rmtree(self.cache, ignore_errors=True)
+                if os.path.lexists(self.cache):
+                    os.remove(self.cache)
         try:
-            build_once(self.cache, build, barrier=barrier)
+            build_once(self.cache, build, is_builder=builder, barrier=barrier)
         except PermissionError as e:
             raise ValueError(f"data.index_mapping_dir: cannot write the sample index {self.cache} ({e}); set "
                              "data.index_mapping_dir to a writable directory") from e
-        self._arrays: dict[str, np.ndarray] | None = None
+        problem = self._cache_problem()
+        if problem:
+            raise ValueError(f"data.index_mapping_dir: the sample index {self.cache} does not fit {indexed.prefix} "
+                             f"({problem}); delete it, it is rebuilt at the next start")
         self.num_samples = len(self._load()["shuffle"])
         if self.num_samples == 0:
             raise ValueError(f"data.splits_string: the {split} split of {indexed.prefix} (documents {doc_range}) has "
-                             f"{int(sizes.sum())} tokens, fewer than one sample of {seq_length + self.extra}; lower "
+                             f"{total} tokens, fewer than one sample of {seq_length + self.extra}; lower "
                              "data.seq_length or give the split a larger share")
+
+    def _cache_problem(self) -> str | None:
+        """Why the cached index arrays do not fit this split (None when they do): unreadable files, shapes or
+        dtypes, the stream length, or positions out of range (min / max over the maps, no copies)."""
+        self._arrays = None
+        docs, total, n = self._expected
+        try:
+            a = self._load()
+        except (OSError, ValueError, EOFError) as e:
+            self._arrays = None
+            return f"cannot be read: {e}"
+        for name, length in (("doc_order", docs), ("doc_ends", docs), ("shuffle", n)):
+            if a[name].dtype != np.int64 or a[name].shape != (length,):
+                return f"{name}.npy is {a[name].dtype} {a[name].shape}, expected int64 ({length},)"
+        if docs and (int(a["doc_ends"][-1]) != total or int(a["doc_order"].min()) < 0
+                     or int(a["doc_order"].max()) >= docs or int(a["doc_ends"].min()) < 0):
+            return "its document order or ends do not match the data's sequence sizes"
+        if n and (int(a["shuffle"].min()) < 0 or int(a["shuffle"].max()) >= n):
+            return "its sample order points outside the samples"
+        return None
 
     def _load(self) -> dict[str, np.ndarray]:
         if self._arrays is None:
@@ -217,16 +262,56 @@ class GPTSamples(torch.utils.data.Dataset):
         start, need = int(a["shuffle"][index]) * self.seq_length, self.seq_length + self.extra
         k = int(np.searchsorted(a["doc_ends"], start, side="right"))
         pieces, offset = [], start - (int(a["doc_ends"][k - 1]) if k else 0)
+        limit = _INT32_LIMIT if self.vocab_limit is None else self.vocab_limit
         while need:
             doc = self.lo + int(a["doc_order"][k])
             take = min(need, int(self.indexed.sizes[doc]) - offset)
-            pieces.append(self.indexed.get(doc, offset, take))
+            piece = self.indexed.get(doc, offset, take)
+            if piece.size and (int(piece.min()) < 0 or int(piece.max()) >= limit):  # before the int32 cast
+                bad = piece[(piece < 0) | (piece >= limit)][0]
+                raise token_id_error(self.indexed, doc, int(bad), limit)
+            pieces.append(piece)
             need, offset, k = need - take, 0, k + 1
         row = np.concatenate(pieces).astype(np.int32)
-        if self.vocab_limit is not None and row.size and int(row.max()) >= self.vocab_limit:
-            raise ValueError(f"data.data_prefix: token id {int(row.max())} in {self.indexed.prefix} is >= the model "
-                             f"vocab_size {self.vocab_limit}; the data was tokenized for another vocabulary")
         return row if self.extra else np.append(row, np.int32(IGNORE))
+
+
+def check_token_ids(indexed: IndexedDataset, limit: int, *, cache_dir: str | None = None,
+                    barrier: Callable[[], None] | None = None) -> None:
+    """Refuse a ``.bin`` with token ids outside ``[0, limit)`` before training (``limit``: the model's vocab_size).
+
+    The id range of each ``.bin`` is computed once by the builder (a vectorised pass over the file) and cached as
+    ``<cache dir>/<prefix name>-tokens-<key>.json``, keyed by the ``.idx`` content and the ``.bin``'s size and
+    mtime; each sample is checked again when it is read (:class:`GPTSamples`), so a ``.bin`` changed behind the
+    cache's back still stops with the same error, naming the sequence.
+
+    Raises:
+        ValueError: an id out of range (names the ``.bin``, the sequence and the fix).
+    """
+    st = os.stat(data_path(indexed.prefix))
+    parts = (_FORMAT_VERSION, indexed.content_digest, indexed.dtype.str, st.st_size, st.st_mtime_ns, st.st_ino)
+    key = hashlib.sha256(repr(parts).encode()).hexdigest()[:16]
+    root = resolve_path(cache_dir) if cache_dir else os.path.dirname(os.path.abspath(indexed.prefix))
+    path = os.path.join(root, f"{os.path.basename(indexed.prefix)}-tokens-{key}.json")
+
+    def build(tmp: str) -> None:
+        low, high = indexed.token_range()
+        with open(tmp, "w") as f:
+            json.dump({"min": low, "max": high}, f)
+
+    try:
+        build_once(path, build, barrier=barrier)
+        with open(path) as f:
+            rec = json.load(f)
+        low, high = int(rec["min"]), int(rec["max"])
+    except PermissionError as e:
+        raise ValueError(f"data.index_mapping_dir: cannot write {path} ({e}); set data.index_mapping_dir to a "
+                         "writable directory") from e
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        log.warning("the token-range cache %s cannot be read (%s): scanning %s", path, e, data_path(indexed.prefix))
+        low, high = indexed.token_range()
+    if low < 0 or high >= limit:
+        indexed.check_token_ids(limit)  # locates the sequence for the error
 
 
 class PaddedDataset(torch.utils.data.Dataset):
@@ -265,6 +350,8 @@ def build_datasets(cfg: DataConfig, *, seq_length: int, seed: int, vocab_limit: 
             indexed[p] = IndexedDataset(resolve_path(p))
             if cfg.skip_warmup is False:
                 indexed[p].warmup()
+            check_token_ids(indexed[p], _INT32_LIMIT if vocab_limit is None else vocab_limit,
+                            cache_dir=cfg.index_mapping_dir, barrier=barrier)
     shares = parse_splits_string(cfg.splits_string) if prefix.by_splits_string else None
     out: dict[str, Any] = {}
     for s_idx, split in enumerate(SPLITS):

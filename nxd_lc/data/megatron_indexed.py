@@ -47,6 +47,8 @@ from typing import Any
 
 import numpy as np
 
+from nxd_lc.runtime.files import file_digest
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 #: Megatron's dtype codes (``DType`` in indexed_dataset.py)
@@ -54,6 +56,8 @@ DTYPE_CODES: dict[int, type[np.generic]] = {1: np.uint8, 2: np.int8, 3: np.int16
                                             6: np.float64, 7: np.float32, 8: np.uint16}
 _CODE_OF = {np.dtype(t): c for c, t in DTYPE_CODES.items()}
 _HEADER_BYTES = 9 + 8 + 1 + 8 + 8
+_CHECK_CHUNK = 1 << 22  # index entries checked at a time (bounded temporaries: 32 MiB of int64 per array)
+_SCAN_BYTES = 64 << 20  # .bin bytes scanned at a time for token ids
 
 
 def index_path(prefix: str) -> str:
@@ -81,8 +85,9 @@ class IndexedDataset:
         key: the config key named in errors (``data.data_prefix``).
     Raises:
         FileNotFoundError: a file is missing (names ``key`` and the path).
-        ValueError: a bad magic, version or dtype code, or an ``.idx`` / ``.bin`` whose size does not match its
-            header (names ``key`` and the file).
+        ValueError: a bad magic, version or dtype code, a float token dtype, an ``.idx`` whose size is not what its
+            counts need (checked before any array is mapped), a sequence outside ``.bin`` or document indices out
+            of order (names ``key``, the file and the sequence).
     """
 
     def __init__(self, prefix: str, key: str = "data.data_prefix") -> None:
@@ -100,18 +105,97 @@ class IndexedDataset:
         if version != INDEX_VERSION or code not in DTYPE_CODES:
             raise ValueError(f"{bad} (version {version}, dtype code {code}; expected version 1, codes 1-8)")
         self.dtype = np.dtype(DTYPE_CODES[code])
+        if self.dtype.kind == "f":
+            raise ValueError(f"{key}: {index_path(prefix)} stores token ids as {self.dtype.name} (dtype code {code}); "
+                             "token ids are integers and a float id would be truncated; preprocess the data again "
+                             "(python -m nxd_lc.data.megatron_indexed writes uint16 or int32)")
         expected = _HEADER_BYTES + 12 * self.sequence_count + 8 * self.document_count
-        if os.path.getsize(index_path(prefix)) < expected:
-            raise ValueError(f"{bad}: {os.path.getsize(index_path(prefix))} bytes, its header needs {expected}")
+        idx_size = os.path.getsize(index_path(prefix))
+        if idx_size != expected:
+            raise ValueError(f"{bad}: {idx_size} bytes, but its header ({self.sequence_count} sequences, "
+                             f"{self.document_count} document indices) needs exactly {expected}; the file is "
+                             "truncated or damaged: preprocess the data again")
         self._idx: np.memmap | None = None
         self._bin: np.memmap | None = None
-        end = int(self.sizes.sum()) * self.dtype.itemsize
-        if os.path.getsize(data_path(prefix)) < end:
-            raise ValueError(f"{key}: {data_path(prefix)} has {os.path.getsize(data_path(prefix))} bytes, its index "
-                             f"needs {end}; the .bin and .idx are not one dataset")
+        self._digest: str | None = None
+        self._check_index()
+
+    def _check_index(self) -> None:
+        """Every sequence within ``.bin`` and document indices in order; vectorised over chunks of the index.
+
+        Raises:
+            ValueError: a negative length or pointer, a sequence reaching past the end of ``.bin``, or document
+                indices out of order (names the file and the first bad sequence / entry).
+        """
+        bin_path, bin_size, item = data_path(self.prefix), os.path.getsize(data_path(self.prefix)), self.dtype.itemsize
+        sizes, pointers = self.sizes, self.pointers
+        for lo in range(0, self.sequence_count, _CHECK_CHUNK):
+            s = sizes[lo:lo + _CHECK_CHUNK].astype(np.int64)
+            p = pointers[lo:lo + _CHECK_CHUNK]
+            # p <= bin_size first, so p + s * item cannot overflow int64 (s < 2**31, item <= 8)
+            bad = (s < 0) | (p < 0) | (p > bin_size) | (p + s * item > bin_size)
+            if bad.any():
+                i = int(np.flatnonzero(bad)[0])
+                raise ValueError(f"{self.key}: sequence {lo + i} of {index_path(self.prefix)} (length {int(s[i])} "
+                                 f"tokens at byte {int(p[i])}) lies outside {bin_path} ({bin_size} bytes); the .bin "
+                                 "and .idx are not one dataset (or one is truncated): preprocess the data again")
+        docs = self.document_indices
+        if self.document_count == 0 or docs[0] != 0 or docs[-1] > self.sequence_count or (
+                self.document_count > 1 and bool((np.diff(docs) < 0).any())):
+            raise ValueError(f"{self.key}: the document indices of {index_path(self.prefix)} are not 0, then "
+                             f"non-decreasing sequence indices up to {self.sequence_count}; the file is damaged: "
+                             "preprocess the data again")
+
+    @property
+    def content_digest(self) -> str:
+        """SHA-256 of the whole ``.idx`` (sizes, pointers, document indices): changes with any reordering or
+        resizing of the sequences (computed once, about 1 GB/s)."""
+        if self._digest is None:
+            self._digest = file_digest(index_path(self.prefix))[1]
+        return self._digest
+
+    def check_token_ids(self, limit: int) -> None:
+        """Scan ``.bin`` for token ids outside ``[0, limit)`` (chunks of 64 MiB, vectorised; bounded memory).
+
+        Raises:
+            ValueError: the first id out of range, naming the file, the sequence that holds it and the fix.
+        """
+        low, high = self.token_range()
+        if low >= 0 and high < limit:
+            return
+        item, bin_map = self.dtype.itemsize, self._data()
+        order = np.argsort(self.pointers, kind="stable")
+        starts = self.pointers[order]
+        ends = starts + self.sizes[order].astype(np.int64) * item
+        step = (_SCAN_BYTES // item) * item
+        for lo in range(0, len(bin_map) - len(bin_map) % item, step):
+            chunk = np.frombuffer(bin_map, self.dtype, min(step, len(bin_map) - lo) // item, lo)
+            for pos in np.flatnonzero((chunk < 0) | (chunk >= limit)):
+                byte = lo + int(pos) * item
+                k = int(np.searchsorted(starts, byte, side="right")) - 1
+                if k >= 0 and byte < ends[k]:
+                    raise token_id_error(self, int(order[k]), int(chunk[pos]), limit)
+
+    def token_range(self) -> tuple[int, int]:
+        """``(min, max)`` token id over the sequences' bytes of ``.bin`` (``(0, -1)`` when empty); reads it once."""
+        low, high, item, bin_map = None, None, self.dtype.itemsize, self._data()
+        step = (_SCAN_BYTES // item) * item
+        for lo in range(0, len(bin_map) - len(bin_map) % item, step):
+            chunk = np.frombuffer(bin_map, self.dtype, min(step, len(bin_map) - lo) // item, lo)
+            if chunk.size:
+                cmin, cmax = int(chunk.min()), int(chunk.max())
+                low, high = cmin if low is None else min(low, cmin), cmax if high is None else max(high, cmax)
+        return (0, -1) if low is None or high is None else (low, high)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_idx": None, "_bin": None}
+
+    def _data(self) -> np.memmap | np.ndarray:
+        if self._bin is None:
+            if os.path.getsize(data_path(self.prefix)) == 0:  # numpy cannot map an empty file
+                return np.zeros(0, dtype=np.uint8)
+            self._bin = np.memmap(data_path(self.prefix), mode="r", dtype=np.uint8)
+        return self._bin
 
     def _index(self) -> np.memmap:
         if self._idx is None:
@@ -139,14 +223,12 @@ class IndexedDataset:
     def get(self, index: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens ``[offset, offset + length)`` of sequence ``index`` (to its end when ``length`` is None), a
         read-only view of the ``.bin`` map in the file's dtype."""
-        if self._bin is None:
-            self._bin = np.memmap(data_path(self.prefix), mode="r", dtype=np.uint8)
         size = int(self.sizes[index])
         length = size - offset if length is None else length
         if not 0 <= offset <= offset + length <= size:
             raise IndexError(f"{self.prefix}: tokens [{offset}, {offset + length}) of sequence {index} (length {size})")
         start = int(self.pointers[index]) + offset * self.dtype.itemsize
-        return np.frombuffer(self._bin, self.dtype, length, start)
+        return np.frombuffer(self._data(), self.dtype, length, start)
 
     def __getitem__(self, index: int) -> np.ndarray:
         return self.get(index)
@@ -160,22 +242,29 @@ class IndexedDataset:
                     pass
 
 
+def token_id_error(dataset: IndexedDataset, sequence: int, token_id: int, limit: int) -> ValueError:
+    """The error for token id ``token_id`` of sequence ``sequence`` outside ``[0, limit)`` (names the file)."""
+    return ValueError(f"{dataset.key}: sequence {sequence} of {data_path(dataset.prefix)} holds token id {token_id}, "
+                      f"outside [0, {limit}) (the model's vocab_size, model.model_config); the data was tokenized "
+                      "for another vocabulary or the file is damaged: preprocess it again with the run's tokenizer")
+
+
 class IndexedDatasetWriter:
     """Writes ``<prefix>.bin`` while sequences are added and ``<prefix>.idx`` on :meth:`finalize` (or on leaving a
     ``with`` block without an exception).
 
     Args:
         prefix: output path without suffix (its directory is created).
-        dtype: token dtype; one of :data:`DTYPE_CODES` (see :func:`token_dtype`).
+        dtype: token dtype; an integer one of :data:`DTYPE_CODES` (see :func:`token_dtype`).
     Raises:
-        ValueError: a dtype Megatron has no code for.
+        ValueError: a dtype Megatron has no code for, or a float dtype (token ids are integers).
     """
 
     def __init__(self, prefix: str, dtype: type[np.generic] | np.dtype = np.uint16) -> None:
         self.prefix, self.dtype = prefix, np.dtype(dtype)
-        if self.dtype not in _CODE_OF:
-            raise ValueError(f"dtype {self.dtype} has no Megatron code; use one of "
-                             f"{[np.dtype(t).name for t in DTYPE_CODES.values()]}")
+        if self.dtype not in _CODE_OF or self.dtype.kind == "f":
+            raise ValueError(f"dtype {self.dtype} is not a Megatron token dtype; use one of "
+                             f"{[np.dtype(t).name for t in DTYPE_CODES.values() if np.dtype(t).kind != 'f']}")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         self._bin = open(data_path(prefix), "wb")
         self.sizes: list[int] = []

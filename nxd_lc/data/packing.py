@@ -17,9 +17,13 @@ middle of a document starts a document at position 0. ``position_ids`` restart a
 ``segment_ids`` number the documents of a row 0, 1, 2, ... (non-decreasing along S). With cross-document
 attention (Nemotron-UltraLong style) the whole row is one segment: positions ``0..S-1``, segment ids all 0.
 
-Packed arrays are cached as ``<cache_dir>/packed/<key>.npy`` with key = SHA-256 of (source fingerprint,
-tokenizer fingerprint, seq_length, format version), built once per node by :func:`build_once` and memory-mapped
-by every rank (and DataLoader worker).
+Packed arrays are cached as ``<cache_dir>/packed/<key>.npy`` with key = SHA-256 of (source fingerprint: every
+file's content SHA-256, tokenizer fingerprint, seq_length, length upsampling, format version), built once per node
+by :func:`build_once` and memory-mapped by every rank (and DataLoader worker). On load the cache is verified
+against the run (:class:`PackedDataset`): int32, rows of exactly ``seq_length + 1`` tokens, ids within the model's
+vocabulary. A cache that does not match is refused naming the file ("delete it, it is rebuilt"), not rebuilt
+silently: its name is the key of the right content, so a mismatch means the file was damaged or replaced, and
+every rank has it mapped at once (one rank rebuilding it under the others would race).
 """
 
 from __future__ import annotations
@@ -215,15 +219,30 @@ class PackedDataset(torch.utils.data.Dataset):
 
     A path is memory-mapped lazily in each process, so pickling the dataset into DataLoader workers copies only
     the path. ``dataset[i]`` is the int32 row ``[S + 1]``.
+
+    Args:
+        samples: the array, or the path of its ``.npy`` cache.
+        seq_length: the run's S; the rows must hold exactly S + 1 tokens (None: any length >= 2).
+
+    Raises:
+        ValueError: a cache file that cannot be read, is not a 2-D int32 array, or whose rows are not S + 1 long
+            (names the file; the fix is to delete it, it is rebuilt from the data at the next start).
     """
 
-    def __init__(self, samples: np.ndarray | str) -> None:
+    def __init__(self, samples: np.ndarray | str, seq_length: int | None = None) -> None:
         self._path = samples if isinstance(samples, str) else None
         self._array = None if isinstance(samples, str) else samples
-        shape = self._load().shape
-        if len(shape) != 2 or shape[1] < 2:
-            raise ValueError(f"packed samples must be [N, seq_length + 1] with seq_length >= 1, got {shape}")
-        self.num_samples, self.seq_length = shape[0], shape[1] - 1
+        arr = self._load()
+        what = f"packed-sample cache {self._path}" if self._path is not None else "packed samples"
+        fix = ("; delete it, it is rebuilt from the data at the next start" if self._path is not None else "")
+        if arr.ndim != 2 or arr.shape[1] < 2:
+            raise ValueError(f"{what} must be [N, seq_length + 1] with seq_length >= 1, got {arr.shape}{fix}")
+        if arr.dtype != np.int32:
+            raise ValueError(f"{what} holds {arr.dtype} values, not int32 token ids{fix}")
+        if seq_length is not None and arr.shape[1] != seq_length + 1:
+            raise ValueError(f"{what} holds rows of {arr.shape[1]} tokens, but data.seq_length + 1 = "
+                             f"{seq_length + 1}{fix}")
+        self.num_samples, self.seq_length = arr.shape[0], arr.shape[1] - 1
 
     def _load(self) -> np.ndarray:
         """The array (memory-mapped from the cache file on first use).
@@ -253,5 +272,23 @@ class PackedDataset(torch.utils.data.Dataset):
 
     def max_token_id(self) -> int:
         """Largest token id in the samples (-1 when empty); reads the whole array."""
+        return self.token_range()[1]
+
+    def token_range(self) -> tuple[int, int]:
+        """``(min, max)`` token id of the samples (``(0, -1)`` when empty); one pass over the (mapped) array."""
         arr = self._load()
-        return int(arr.max()) if arr.size else -1
+        return (int(arr.min()), int(arr.max())) if arr.size else (0, -1)
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """Refuse ids outside ``[0, vocab_size)`` in a cache built from text by the run's tokenizer (such ids can
+        only come from a damaged or foreign cache file).
+
+        Raises:
+            ValueError: names the file, the id, and the fix (delete it, it is rebuilt).
+        """
+        low, high = self.token_range()
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise ValueError(f"packed-sample cache {self._path} holds token id {bad}, outside [0, {vocab_size}) "
+                             "(the model's vocab_size); it is damaged or not this run's: delete it, it is rebuilt "
+                             "from the data at the next start")

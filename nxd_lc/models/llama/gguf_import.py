@@ -35,8 +35,10 @@ import hashlib
 import importlib.util
 import json
 import logging
+import mmap
 import os
 import shutil
+import struct
 import time
 from pathlib import Path
 from typing import Any
@@ -50,6 +52,7 @@ from nxd_lc.runtime.process import pid_alive
 
 __all__ = [
     "MARKER_FILE",
+    "check_gguf_file",
     "convert_gguf_to_hf",
     "default_smollm2_dir",
     "find_smollm2_gguf",
@@ -261,11 +264,160 @@ def _save_tokenizer(gguf_path: Path, out_dir: Path, config: LlamaConfig) -> None
     cfg_file.write_text(json.dumps(cfg, indent=2, ensure_ascii=False) + "\n")
 
 
+# ---- header check (before the gguf package reads anything) ------------------------------------------------------
+#: byte size of each GGUF scalar value type (GGUF spec, ``gguf_metadata_value_type``); 8 STRING, 9 ARRAY
+_GGUF_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_GGUF_STRING, _GGUF_ARRAY, _GGUF_UINT32 = 8, 9, 4
+_GGUF_MIN_KV = 8 + 4 + 1  # key length, value type, the smallest value
+_GGUF_MIN_TENSOR_INFO = 8 + 4 + 4 + 8  # name length, n_dims, type, offset
+_GGUF_MAX_DIMS = 4  # GGML_MAX_DIMS
+_GGUF_MAX_NESTING = 8  # arrays of arrays
+
+
+class _GGUFWalker:
+    """Walks the metadata and tensor infos of a mapped GGUF file, bounding every count and length by the bytes
+    left, so a damaged count costs one comparison instead of an allocation."""
+
+    def __init__(self, path: Path, buf: Any, order: str) -> None:
+        self.path, self.buf, self.order, self.offset, self.size = path, buf, order, 0, len(buf)
+
+    def fail(self, what: str, problem: str) -> ValueError:
+        return ValueError(f"GGUF file {self.path}: {what} {problem} (at byte {self.offset} of {self.size}); the file "
+                          "is truncated or damaged: download or convert it again")
+
+    def take(self, fmt: str, what: str) -> Any:
+        n = struct.calcsize(self.order + fmt)
+        if self.offset + n > self.size:
+            raise self.fail(what, "runs past the end of the file")
+        value = struct.unpack_from(self.order + fmt, self.buf, self.offset)
+        self.offset += n
+        return value[0] if len(value) == 1 else value
+
+    def need(self, count: int, unit: int, what: str) -> None:
+        if count * unit > self.size - self.offset:
+            claim = f"{count} bytes" if unit == 1 else f"{count} entries of >= {unit} bytes"
+            raise self.fail(what, f"claims {claim}, more than the {self.size - self.offset} bytes left")
+
+    def string(self, what: str) -> str:
+        n = self.take("Q", what + " length")
+        self.need(n, 1, what)
+        raw = bytes(self.buf[self.offset:self.offset + n])
+        self.offset += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise self.fail(what, f"is not UTF-8 ({e.reason} at byte {e.start})") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0) -> Any:
+        if vtype in _GGUF_SCALAR_BYTES:
+            self.need(1, _GGUF_SCALAR_BYTES[vtype], what)
+            start = self.offset
+            self.offset += _GGUF_SCALAR_BYTES[vtype]
+            return int.from_bytes(self.buf[start:self.offset], "little" if self.order == "<" else "big")
+        if vtype == _GGUF_STRING:
+            return self.string(what)
+        if vtype != _GGUF_ARRAY:
+            raise self.fail(what, f"has unknown value type {vtype}")
+        if depth >= _GGUF_MAX_NESTING:
+            raise self.fail(what, f"nests arrays deeper than {_GGUF_MAX_NESTING}")
+        itype, count = self.take("I", what + " element type"), self.take("Q", what + " length")
+        if itype in _GGUF_SCALAR_BYTES:
+            self.need(count, _GGUF_SCALAR_BYTES[itype], what)
+            self.offset += count * _GGUF_SCALAR_BYTES[itype]
+            return None
+        self.need(count, 8 if itype == _GGUF_STRING else 12, what)
+        for i in range(count):
+            self.value(itype, f"{what}[{i}]", depth + 1)
+        return None
+
+
+def check_gguf_file(path: str | Path) -> None:
+    """Check a GGUF file's header, metadata and tensor table against its size before the ``gguf`` package reads it.
+
+    The fixed header (magic ``GGUF``, version 2 or 3, ``tensor_count``, ``kv_count``; GGUF spec, ggml
+    ``docs/gguf.md``) is parsed here; each count, string length and array length is bounded by the bytes left
+    (a key-value pair takes at least 13 bytes, a tensor info 24) before it is walked, keys and strings must be
+    UTF-8, and each tensor (at most 4 dimensions, a known ggml type) must lie inside the data section. The walk
+    reads the file once through a map and allocates nothing in proportion to a count: the ``gguf`` reader,
+    handed a 100-byte file claiming 2**60 array entries, reads past the end as empty slices and grows its field
+    list without bound.
+
+    Raises:
+        ValueError: the first problem, naming the file and the field (key, tensor) with the fix.
+    """
+    from gguf.constants import GGML_QUANT_SIZES  # the ggml type table (block size, bytes per block)
+
+    path = Path(path)
+    size = path.stat().st_size
+    if size < 24:
+        raise ValueError(f"GGUF file {path}: {size} bytes, shorter than the 24-byte GGUF header; the file is "
+                         "truncated or not GGUF: download or convert it again")
+    with path.open("rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise ValueError(f"GGUF file {path}: magic {bytes(buf[:4])!r}, expected b'GGUF'; not a GGUF file")
+        order = "<" if struct.unpack_from("<I", buf, 4)[0] & 0xFFFF else ">"  # as the gguf reader tells endianness
+        w = _GGUFWalker(path, buf, order)
+        w.offset = 4
+        version = w.take("I", "version")
+        if version not in (2, 3):
+            raise w.fail("version", f"is {version}; GGUF versions 2 and 3 are read")
+        tensor_count, kv_count = w.take("Q", "tensor_count"), w.take("Q", "kv_count")
+        if kv_count * _GGUF_MIN_KV + tensor_count * _GGUF_MIN_TENSOR_INFO > size - w.offset:
+            raise w.fail("header", f"claims {kv_count} metadata entries (kv_count) and {tensor_count} tensors "
+                                   f"(tensor_count), more than {size - w.offset} bytes can hold")
+        alignment = 32  # GGUF_DEFAULT_ALIGNMENT
+        for i in range(kv_count):
+            key = w.string(f"metadata key {i}")
+            vtype = w.take("I", f"metadata {key!r} type")
+            value = w.value(vtype, f"metadata {key!r}")
+            if key == "general.alignment":
+                if vtype != _GGUF_UINT32 or not value or value & (value - 1):
+                    raise w.fail(f"metadata {key!r}", f"must be a uint32 power of two, got {value!r}")
+                alignment = value
+        tensors: list[tuple[str, int, int]] = []
+        names: set[str] = set()
+        for i in range(tensor_count):
+            name = w.string(f"tensor {i} name")
+            if name in names:
+                raise w.fail(f"tensor {name!r}", "appears twice")
+            names.add(name)
+            n_dims = w.take("I", f"tensor {name!r} n_dims")
+            if not 1 <= n_dims <= _GGUF_MAX_DIMS:
+                raise w.fail(f"tensor {name!r}", f"has {n_dims} dimensions; ggml tensors have 1 to {_GGUF_MAX_DIMS}")
+            dims = [w.take("Q", f"tensor {name!r} dims") for _ in range(n_dims)]
+            ggml_type, offset = w.take("I", f"tensor {name!r} type"), w.take("Q", f"tensor {name!r} offset")
+            if ggml_type not in {int(t) for t in GGML_QUANT_SIZES}:
+                raise w.fail(f"tensor {name!r}", f"has unknown ggml type {ggml_type}")
+            block, block_bytes = GGML_QUANT_SIZES[ggml_type]  # type: ignore[index]
+            if dims[0] % block:
+                raise w.fail(f"tensor {name!r}", f"has {dims[0]} columns, not a multiple of its type's block {block}")
+            elements = 1
+            for d in dims:
+                elements *= d
+            tensors.append((name, offset, elements // block * block_bytes))
+        data_start = -(-w.offset // alignment) * alignment
+        for name, offset, nbytes in tensors:
+            if data_start + offset + nbytes > size:
+                w.offset = data_start + offset
+                raise w.fail(f"tensor {name!r}", f"({nbytes} bytes at data offset {offset}) reaches past the end of "
+                                                 "the file")
+
+
+def _read_gguf(gguf_path: Path) -> Any:
+    """``gguf.GGUFReader`` of a file that passed :func:`check_gguf_file` (any error it still raises names the file)."""
+    check_gguf_file(gguf_path)
+    try:
+        return _gguf().GGUFReader(str(gguf_path))
+    except (ValueError, IndexError, KeyError, UnicodeDecodeError, OverflowError) as e:
+        raise ValueError(f"GGUF file {gguf_path} cannot be read ({type(e).__name__}: {e}); the file is damaged: "
+                         "download or convert it again") from e
+
+
 def _write_conversion(tmp: Path, gguf_path: Path, num_layers: int | None, dtype: torch.dtype,
                       fingerprint: dict[str, Any]) -> None:
     """Write the whole HF directory into ``tmp`` (created here); the marker file last."""
     start = time.perf_counter()
-    reader = _gguf().GGUFReader(str(gguf_path))
+    reader = _read_gguf(gguf_path)
     config = gguf_llama_config(reader, num_layers)
     state = gguf_llama_state_dict(reader, config, dtype)
     tmp.mkdir(parents=True)
@@ -326,7 +478,8 @@ def convert_gguf_to_hf(gguf_path: str | Path, out_dir: str | Path, *, num_layers
     Raises:
         FileNotFoundError: ``gguf_path`` does not exist.
         FileExistsError: ``out_dir`` exists, is not empty and is not a conversion of ours (never overwritten).
-        ValueError: a bad ``dtype`` / ``num_layers``, or a GGUF file this converter cannot handle.
+        ValueError: a bad ``dtype`` / ``num_layers``, a damaged GGUF file (:func:`check_gguf_file`: names the file
+            and the field), or a GGUF file this converter cannot handle.
         ImportError: the ``gguf`` package is missing (the message gives the pip command).
     """
     gguf_path, out_dir = Path(gguf_path).resolve(), Path(out_dir).expanduser().resolve()

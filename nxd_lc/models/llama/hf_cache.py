@@ -96,7 +96,11 @@ def load_or_convert(model: torch.nn.Module, hf_dir: str, cache_dir: str, key: st
 
     Returns:
         True when the weights came from the cache.
+    Raises:
+        ValueError: an entry that matches its sidecar but is not a loadable safetensors file (names it and the fix;
+            never unpickled, no code runs).
     """
+    from safetensors import SafetensorError
     from safetensors.torch import load_model, save_model
 
     ep = f"ep{ep_rank:02d}_" if ep_rank is not None else ""
@@ -104,13 +108,19 @@ def load_or_convert(model: torch.nn.Module, hf_dir: str, cache_dir: str, key: st
     if not force and os.path.isfile(path):
         if _valid(path):
             start = time.perf_counter()
-            missing, unexpected = load_model(model, path, strict=False)
+            try:
+                missing, unexpected = load_model(model, path, strict=False)
+            except (SafetensorError, RuntimeError, ValueError, OSError) as e:
+                # its sidecar matches, so it was written this way (or replaced with its sidecar): not a torn write
+                raise ValueError(f"model.hf_conversion_cache: the cache entry {path} matches its .sha256 sidecar but "
+                                 f"cannot be loaded ({type(e).__name__}: {str(e)[:200]}); delete "
+                                 f"{os.path.dirname(path)} or set model.force_reconvert_from_hf: true") from e
             if not missing and not unexpected:
                 log.info("loaded the converted HF weights from the cache %s (%.2f s)", path,
                          time.perf_counter() - start)
                 return True
-            log.warning("the HF conversion cache %s does not fit the model (missing %s, unexpected %s): converting "
-                        "again", path, sorted(missing)[:3], sorted(unexpected)[:3])
+            log.warning("the HF conversion cache %s does not fit the model (missing %s, unexpected %s): "
+                        "converting again", path, sorted(missing)[:3], sorted(unexpected)[:3])
         else:
             log.warning("the HF conversion cache %s is damaged (its sha256 differs): converting again", path)
     convert(model, hf_dir)
