@@ -20,7 +20,7 @@ import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
 from nxd_lc.app.build import build_model, decoder_compiled, load_model_weights, save_lora_outputs
-from nxd_lc.app.validation import check_supported, load_config, path_problems, unsupported_features
+from nxd_lc.app.validation import check_supported, load_config, memory_report, path_problems, unsupported_features
 from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
 from nxd_lc.config.errors import ConfigError
@@ -46,7 +46,7 @@ def dry_run(cfg: NxdConfig) -> str:
              f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
              f" seq_length {seq_length(cfg)}",
-             f"# {resolve_precision(cfg).describe()}",
+             f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in memory_report(cfg)),
              "# environment it would set (variables already set in the environment win):", table]
     problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
     if problems:

@@ -12,6 +12,7 @@ prints.
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Mapping
 
 from omegaconf import DictConfig
@@ -25,6 +26,7 @@ from nxd_lc.app.validation.data import (
     path_problems,
     sft_style_problems,
 )
+from nxd_lc.app.validation.memory import estimate_memory, memory_estimate_problems, position_problems
 from nxd_lc.app.validation.model import (
     family_problems,
     fusion_config_problems,
@@ -46,7 +48,10 @@ from nxd_lc.config.structure import typed_config
 from nxd_lc.models.config_json import read_model_json
 from nxd_lc.precision.rules import log_precision_overrides
 
-__all__ = ["check_supported", "cross_field_problems", "load_config", "path_problems", "unsupported_features"]
+__all__ = ["check_supported", "cross_field_problems", "load_config", "memory_report", "path_problems",
+           "unsupported_features"]
+
+log = logging.getLogger(__name__)
 
 
 def load_config(raw: DictConfig | Mapping[str, Any], world_size: int | None = None,
@@ -74,12 +79,29 @@ def load_config(raw: DictConfig | Mapping[str, Any], world_size: int | None = No
 def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[str]:
     """All cross-field rule violations of a typed config (empty when valid)."""
     hf = read_model_json(cfg)  # read once; both head and CP rules need it
-    return (parallel_problems(cfg, world_size) + trainer_problems(cfg) + batch_problems(cfg)
-            + head_problems(cfg, hf) + context_parallel_problems(cfg, hf) + memory_problems(cfg)
-            + choice_problems(cfg) + pipeline_problems(cfg, hf)
-            + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
-            + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
-            + family_problems(cfg, hf) + sft_style_problems(cfg) + fusion_config_problems(cfg))
+    problems = (parallel_problems(cfg, world_size) + trainer_problems(cfg) + batch_problems(cfg)
+                + head_problems(cfg, hf) + context_parallel_problems(cfg, hf) + memory_problems(cfg)
+                + choice_problems(cfg) + pipeline_problems(cfg, hf)
+                + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
+                + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
+                + family_problems(cfg, hf) + sft_style_problems(cfg) + fusion_config_problems(cfg)
+                + position_problems(cfg, hf))
+    if problems:  # the memory estimate needs sizes every other rule has accepted
+        return problems
+    try:
+        problems, warnings = memory_estimate_problems(cfg, hf)
+    except ValueError as e:  # a memory budget below every plan's estimate (names model.activations_memory_budget)
+        return [str(e)]
+    for warning in warnings:
+        log.warning("%s", warning)
+    return problems
+
+
+def memory_report(cfg: NxdConfig) -> list[str]:
+    """The dry run's lines of the memory estimate per rank (:mod:`.memory`) of a validated config."""
+    est = estimate_memory(cfg, read_model_json(cfg))
+    return est.describe() if est is not None else [
+        "memory estimate: unknown (no model config.json to size the model from)"]
 
 
 def unsupported_features(cfg: NxdConfig) -> list[str]:
