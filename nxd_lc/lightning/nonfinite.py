@@ -149,7 +149,8 @@ class NonFiniteStepGuard:
         """
         if not self.in_graph or self._trip_t is None:
             return
-        trip, skipped = (int(v) for v in torch.stack([self._trip_t, self._skipped_t]).cpu().tolist())
+        # two transfers of values the step's graph already computed (a stack would be a new graph to compile)
+        trip, skipped = int(self._trip_t.cpu()), int(self._skipped_t.cpu())
         if trip >= 0:
             raise NonFiniteTrainingError(trip - self.limit + 1, trip, self.limit, skipped)
         if skipped > self._reported_skips:
