@@ -6,13 +6,14 @@ train_dir; ``validation`` / ``valid`` / ``val`` / ``test`` for val_dir, else ``t
 keeps the first N records. Records go through :mod:`~nxd_lc.data.alignment_format` (formats, chat templates,
 tool calls, target masks) and :mod:`~nxd_lc.data.alignment_packing` (truncation, BFD packing, rows).
 
-Schemas are kept exactly: jsonl is read with the ``json`` module, record by record, never through
-pyarrow / ``datasets``, which unify the schema of all records and fill every key a record lacks with null (a
-tool whose parameters are ``{city}`` would gain ``query: null`` from another record). Arrow data has already
-been unified when it was saved, so the reader (:func:`clean_arrow_record`) parses ``tools`` stored as a JSON
-string and removes null-valued keys inside ``messages`` / ``prompt`` / ``chosen`` / ``rejected`` / ``tools``
-(a filled null cannot be told from a real one there: store tools and tool-call arguments as JSON strings to keep
-real nulls); the number of records affected is logged.
+Files are found and read as in :mod:`~nxd_lc.data.sources` (each real file once, UTF-8 only, JSON checked by
+:func:`nxd_lc.config.input_files.parse_json`). Schemas are kept exactly: jsonl is read with the ``json`` module,
+record by record, never through pyarrow / ``datasets``, which unify the schema of all records and fill every key a
+record lacks with null (a tool whose parameters are ``{city}`` would gain ``query: null`` from another record).
+Arrow data has already been unified when it was saved, so the reader (:func:`clean_arrow_record`) parses ``tools``
+stored as a JSON string and removes null-valued keys inside ``messages`` / ``prompt`` / ``chosen`` / ``rejected`` /
+``tools`` (a filled null cannot be told from a real one there: store tools and tool-call arguments as JSON strings
+to keep real nulls); the number of records affected is logged.
 
 Batches (dicts of tensors; B = ``data.micro_batch_size``, S = seq_length; row layout in ``alignment_packing``):
 
@@ -31,7 +32,6 @@ rows / pairs, ``consumed_samples`` in the checkpoint). Tokenized data is rebuilt
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import ModelAlignmentStrategyConfig, resolved_max_prompt_length
+from nxd_lc.config.input_files import glob_files, iter_text_lines, parse_json, read_text
 from nxd_lc.config.schema import DataConfig
 from nxd_lc.data.alignment_format import RecordFormatter
 from nxd_lc.data.alignment_packing import (
@@ -57,6 +58,7 @@ from nxd_lc.data.alignment_packing import (
     prepare_sft_example,
 )
 from nxd_lc.data.datamodule import PretrainingDataModule
+from nxd_lc.data.sources import load_saved_dataset
 from nxd_lc.data.tokenizer import BYTELEVEL_BPE, check_vocab, load_tokenizer
 
 if TYPE_CHECKING:
@@ -84,19 +86,19 @@ def read_records(path: str, key_name: str, limit: int | None = None, *, validati
 
     Raises:
         FileNotFoundError: nothing at ``path`` (names ``key_name``).
-        ValueError: a bad JSON line or a non-object record (names file and line), no records.
+        ValueError: a bad JSON line or a non-object record (names file and line), a file that is not UTF-8 text
+            (names file, line and byte), a damaged datasets directory, no records.
     """
     full = resolve_path(path)
     if os.path.isdir(full) and any(os.path.isfile(os.path.join(full, m)) for m in _DATASETS_MARKERS):
-        records = list(_limited(_iter_arrow(full, validation), limit))
+        records = list(_limited(_iter_arrow(full, validation, key_name), limit))
     elif os.path.isdir(full) or os.path.isfile(full):
-        files = [full] if os.path.isfile(full) else sorted(
-            f for f in glob.glob(os.path.join(full, file_glob), recursive=True)
-            if f.endswith((".jsonl", ".json")) and os.path.isfile(f))
+        files = [full] if os.path.isfile(full) else [
+            f for f in glob_files(os.path.join(full, file_glob), key=key_name) if f.endswith((".jsonl", ".json"))]
         if not files:
             raise ValueError(f"{key_name}: {full} holds no .jsonl / .json files matching data.file_glob "
                              f"{file_glob!r} and is not a datasets directory")
-        records = list(_limited((r for f in files for r in _iter_jsonl(f)), limit))
+        records = list(_limited((r for f in files for r in _iter_jsonl(f, key_name)), limit))
     else:
         raise FileNotFoundError(f"{key_name}: no such file or directory: {full}")
     if not records:
@@ -111,39 +113,43 @@ def _limited(it: Iterator[Record], limit: int | None) -> Iterator[Record]:
         yield rec
 
 
-def _iter_jsonl(path: str) -> Iterator[Record]:
-    with open(path, encoding="utf-8") as f:
-        head = f.read(1)
-        f.seek(0)
-        if head == "[":  # a .json file holding one array of records
-            yield from ((rec, f"{path}[{i}]") for i, rec in enumerate(_json_array(f.read(), path)))
-            return
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from e
-            if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
-            yield rec, f"{path}:{lineno}"
+def _iter_jsonl(path: str, key_name: str) -> Iterator[Record]:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head.removeprefix(b"\xef\xbb\xbf")[:1] == b"[":  # a .json file holding one array of records
+        yield from ((rec, f"{path}[{i}]") for i, rec in enumerate(_json_array(read_text(path, key=key_name), path)))
+        return
+    for lineno, line in iter_text_lines(path, key=key_name):
+        if not line.strip():
+            continue
+        try:
+            rec = parse_json(line, path, line=lineno)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg}); one JSON object per line") from e
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}:{lineno}: a record must be a JSON object, got {type(rec).__name__}")
+        yield rec, f"{path}:{lineno}"
 
 
 def _json_array(text: str, path: str) -> list[dict[str, Any]]:
     try:
-        recs = json.loads(text)
+        recs = parse_json(text, path)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno})") from e
-    if not all(isinstance(r, dict) for r in recs):
-        raise ValueError(f"{path}: the array must hold JSON objects only")
+        raise ValueError(f"{path}: not valid JSON ({e.msg} at line {e.lineno}); a .json data file holds one array "
+                         "of record objects (or one object per line)") from e
+    if not isinstance(recs, list):
+        raise ValueError(f"{path}: a .json data file starting with '[' must be one array of records, got a JSON "
+                         f"{type(recs).__name__}")
+    for i, rec in enumerate(recs):
+        if not isinstance(rec, dict):
+            raise ValueError(f"{path}[{i}]: a record must be a JSON object, got {type(rec).__name__}")
     return recs
 
 
-def _iter_arrow(path: str, validation: bool) -> Iterator[Record]:
+def _iter_arrow(path: str, validation: bool, key_name: str) -> Iterator[Record]:
     import datasets
 
-    ds = datasets.load_from_disk(path)
+    ds = load_saved_dataset(path, key_name)
     split = None
     if isinstance(ds, datasets.DatasetDict):
         names = list(ds.keys())
@@ -152,7 +158,7 @@ def _iter_arrow(path: str, validation: bool) -> Iterator[Record]:
         ds = ds[split]
     nulls = 0
     for i, row in enumerate(ds):
-        rec, removed = clean_arrow_record(row)
+        rec, removed = clean_arrow_record(row, f"{path}[{split or 'dataset'}]#{i}")
         nulls += removed
         yield rec, f"{path}[{split or 'dataset'}]#{i}"
     if nulls:
@@ -176,20 +182,23 @@ def _strip_nulls(obj: Any) -> tuple[Any, bool]:
     return obj, False
 
 
-def clean_arrow_record(row: dict[str, Any]) -> tuple[dict[str, Any], bool]:
+def clean_arrow_record(row: dict[str, Any], where: str = "dataset row") -> tuple[dict[str, Any], bool]:
     """A dataset row with ``tools`` JSON strings parsed and null-filled keys removed (module doc).
 
+    Args:
+        row: the row as ``datasets`` gives it.
+        where: the row, named in errors (``<dir>[split]#<row>``).
     Returns:
         ``(record, removed)``: the cleaned record and whether any null was removed.
     Raises:
-        ValueError: ``tools`` is a string that is not JSON.
+        ValueError: ``tools`` is a string that is not JSON (or JSON nested too deep / with out-of-range numbers).
     """
     rec, removed = dict(row), False
     if isinstance(rec.get("tools"), str):
         try:
-            rec["tools"] = json.loads(rec["tools"])
+            rec["tools"] = parse_json(rec["tools"], f"{where} 'tools'")
         except json.JSONDecodeError as e:
-            raise ValueError(f"dataset row: 'tools' is a string but not JSON ({e.msg})") from e
+            raise ValueError(f"{where}: 'tools' is a string but not JSON ({e.msg})") from e
     for key in _MESSAGE_FIELDS:
         if isinstance(rec.get(key), (list, dict)):
             rec[key], r = _strip_nulls(rec[key])

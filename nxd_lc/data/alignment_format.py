@@ -128,10 +128,14 @@ class ChatRenderer:
         """Checked copies of ``messages`` with tool use written into the text where the template lacks it.
 
         Raises:
-            ValueError: not a list of ``{"role": str, "content": str | null}`` objects (names ``where``).
+            ValueError: not a list of ``{"role": str, "content": str | null}`` objects, ``tool_calls`` not a list
+                of ``{"function": {"name": str, "arguments": str | object}}`` (or ``{"name", "arguments"}``)
+                objects, or ``tools`` not a list of objects (names ``where``, the key and the type found).
         """
         if not isinstance(messages, list) or not messages:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects")
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of {{role, content}} objects, got "
+                             f"{_kind(messages)}")
+        _check_tools(tools, where)
         out = [_check_message(m, where, k) for k, m in enumerate(messages)]
         if not self.native_tool_calls:
             out = [_inline_tool_use(m) for m in out]
@@ -202,15 +206,52 @@ def _resolve_template(tokenizer: PreTrainedTokenizerFast, setting: str | None) -
                      f"template (with {{{{ }}}} / {{% %}}) nor one of the tokenizer's templates {sorted(named)}")
 
 
+def _kind(value: Any) -> str:
+    """The JSON type name of ``value`` for error messages (``null``, ``bool``, ``number``, ``string``, ...)."""
+    if value is None:
+        return "null"
+    names = {bool: "a bool", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    kind = next((n for t, n in names.items() if isinstance(value, t)), f"a {type(value).__name__}")
+    return f"an empty {kind.split()[-1]}" if isinstance(value, (str, list, dict)) and not value else kind
+
+
+def _check_tools(tools: Any, where: str) -> None:
+    if tools is None:
+        return
+    if not isinstance(tools, list) or not all(isinstance(t, Mapping) for t in tools):
+        bad = tools if not isinstance(tools, list) else next(t for t in tools if not isinstance(t, Mapping))
+        raise ValueError(f"{where}: 'tools' must be a list of tool objects (OpenAI {{'type': 'function', "
+                         f"'function': {{...}}}}), got {_kind(bad)}" + (" in the list" if bad is not tools else ""))
+
+
+def _check_tool_calls(calls: Any, where: str, k: int) -> None:
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}: message {k} 'tool_calls' must be a list of calls, got {_kind(calls)}")
+    for j, call in enumerate(calls):
+        fn = call.get("function", call) if isinstance(call, Mapping) else None
+        if not isinstance(fn, Mapping) or not isinstance(fn.get("name"), str):
+            got = _kind(call) if fn is None else (_kind(fn) if not isinstance(fn, Mapping) else
+                                                  f"'name' {_kind(fn.get('name'))}")
+            raise ValueError(f"{where}: message {k} tool_calls[{j}] must be {{'function': {{'name': <string>, "
+                             f"'arguments': <JSON string or object>}}}}, got {got}")
+        args = fn.get("arguments", {})
+        if not isinstance(args, (str, Mapping)):
+            raise ValueError(f"{where}: message {k} tool_calls[{j}] 'arguments' must be a JSON string or an "
+                             f"object, got {_kind(args)}")
+
+
 def _check_message(msg: Any, where: str, k: int) -> dict[str, Any]:
     if not isinstance(msg, Mapping) or not isinstance(msg.get("role"), str):
-        raise ValueError(f"{where}: message {k} must be an object with a string 'role', got {msg!r:.120}")
+        got = _kind(msg) if not isinstance(msg, Mapping) else f"'role' {_kind(msg.get('role'))}"
+        raise ValueError(f"{where}: message {k} must be an object with a string 'role', got {got}: {msg!r:.120}")
+    if msg.get("tool_calls") is not None:
+        _check_tool_calls(msg["tool_calls"], where, k)
     content = msg.get("content")
     if content is None and not msg.get("tool_calls"):
         raise ValueError(f"{where}: message {k} ({msg['role']}) has no 'content' (null is allowed only with "
                          "'tool_calls')")
     if content is not None and not isinstance(content, str):
-        raise ValueError(f"{where}: message {k} 'content' must be a string, got {type(content).__name__}")
+        raise ValueError(f"{where}: message {k} 'content' must be a string, got {_kind(content)}")
     return {**msg, "content": content or ""}  # null content (tool calls) must not render as 'None'
 
 
@@ -278,9 +319,11 @@ class RecordFormatter:
             return self._encode_spans(text, spans)
         src, dst = record.get(self.input_key), record.get(self.output_key)
         if not isinstance(src, str) or not isinstance(dst, str):
+            wrong = [f"'{k}' is {_kind(v)}" for k, v in ((self.input_key, src), (self.output_key, dst))
+                     if k in record and not isinstance(v, str)]
             raise ValueError(f"{where}: an SFT record needs 'messages' or string '{self.input_key}' and "
                              f"'{self.output_key}' (data.input_key / data.output_key); found keys "
-                             f"{sorted(record)}")
+                             f"{sorted(record)}" + (f" ({', '.join(wrong)})" if wrong else ""))
         prompt, response = self._encode_plain(src, prompt=True), self._encode_plain(dst, prompt=False)
         return _concat(prompt, response)
 
@@ -296,9 +339,13 @@ class RecordFormatter:
             raise ValueError(f"{where}: a preference record needs 'prompt', 'chosen' and 'rejected' (missing "
                              f"{missing}; found keys {sorted(record)})")
         prompt, chosen, rejected = record["prompt"], record["chosen"], record["rejected"]
+        if not isinstance(prompt, (str, list)):
+            raise ValueError(f"{where}: 'prompt' must be a string or a list of messages, got {_kind(prompt)}")
+        for name, value in (("chosen", chosen), ("rejected", rejected)):
+            if not isinstance(value, (str, list)) or (isinstance(prompt, str) and not isinstance(value, str)):
+                need = "a string (as 'prompt' is)" if isinstance(prompt, str) else "a string or a list of messages"
+                raise ValueError(f"{where}: '{name}' must be {need}, got {_kind(value)}")
         if isinstance(prompt, str):
-            if not (isinstance(chosen, str) and isinstance(rejected, str)):
-                raise ValueError(f"{where}: 'prompt' is a string, so 'chosen' and 'rejected' must be strings too")
             return EncodedPair(self._encode_plain(prompt, prompt=True), self._encode_plain(chosen, prompt=False),
                                self._encode_plain(rejected, prompt=False))
         tools = record.get("tools")

@@ -11,6 +11,11 @@ Stage 1 of the data chain (source -> tokenize -> pack -> sampler -> collate). :f
   document is column ``data.text_key``, or, when the dataset has an ``input_ids`` column and no text column, the
   token ids themselves (``pretokenized``; tokenization is skipped).
 
+Files are found with :func:`nxd_lc.config.input_files.glob_files` (glob's matches, but each real directory and
+file once: a directory link loop is skipped with a warning) and read as UTF-8 only (other encodings and NUL bytes
+are one error naming file, line and byte). A ``datasets`` column of the wrong type (float or negative token ids,
+a text column that is not strings) or a damaged ``.arrow`` file is one error naming the directory (and file).
+
 Documents are yielded in a deterministic order (sorted files, then line/row order). Sources with several files
 split into train/val by file (:func:`nxd_lc.data.corpus.split_train_val`); a single file or a dataset is split
 by record with the same stable hash of ``"<record index>"``.
@@ -28,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nxd_lc.config.access import resolve_path
+from nxd_lc.config.input_files import glob_files, iter_text_lines, parse_json, read_text
 from nxd_lc.data import corpus
 from nxd_lc.runtime.files import file_digest
 
@@ -113,10 +119,10 @@ def resolve_source(path: str, *, file_glob: str = "**/*", text_key: str = "text"
     if os.path.isfile(full):
         files, root = [full], os.path.dirname(full)
     elif os.path.isdir(full):
-        files, root = _glob_files(os.path.join(full, file_glob)), full
+        files, root = glob_files(os.path.join(full, file_glob), key=key_name), full
         where = f"{full} (data.file_glob={file_glob!r})"
     elif glob.has_magic(full):
-        files, root = _glob_files(full), _glob_root(full)
+        files, root = glob_files(full, key=key_name), _glob_root(full)
         where = full
     else:
         raise FileNotFoundError(f"{key_name}: no such file or directory: {full}")
@@ -130,10 +136,6 @@ def resolve_source(path: str, *, file_glob: str = "**/*", text_key: str = "text"
     return DocumentSource(kind, full, tuple(files), root, text_key=text_key, key_name=key_name)
 
 
-def _glob_files(pattern: str) -> list[str]:
-    return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
-
-
 def _glob_root(pattern: str) -> str:
     """The directory part of ``pattern`` before its first wildcard component."""
     parts = pattern.split(os.sep)
@@ -141,11 +143,46 @@ def _glob_root(pattern: str) -> str:
     return os.sep.join(parts[:first_magic]) or os.sep
 
 
-def _load_dataset(path: str, split: str | None) -> tuple[Any, str | None]:
+def load_saved_dataset(path: str, key_name: str) -> Any:
+    """``datasets.load_from_disk(path)`` (a ``Dataset`` or ``DatasetDict``), its failures as one error.
+
+    Raises:
+        ValueError: the directory cannot be read (a damaged or truncated ``.arrow`` file, a damaged
+            ``state.json`` / ``dataset_info.json``): names ``key_name``, the directory, the damaged arrow file
+            when one is, and the fix (save it again).
+    """
+    import datasets
+
+    try:
+        return datasets.load_from_disk(path)
+    except Exception as e:  # noqa: BLE001 - pyarrow / datasets / json raise types of their own (ArrowInvalid, ...)
+        damaged = _damaged_arrow_file(path)
+        what = f"its file {damaged} is damaged or truncated" if damaged else "it is damaged or incomplete"
+        raise ValueError(f"{key_name}: {path} is a datasets save_to_disk directory that cannot be read "
+                         f"({type(e).__name__}: {str(e)[:200]}): {what}; write it again with "
+                         "Dataset.save_to_disk") from None
+
+
+def _damaged_arrow_file(path: str) -> str | None:
+    """The first ``.arrow`` file below ``path`` that pyarrow cannot read as an IPC stream (None: all read)."""
+    import pyarrow as pa
+
+    for dirpath, dirnames, filenames in os.walk(path):
+        dirnames.sort()
+        for name in sorted(n for n in filenames if n.endswith(".arrow")):
+            try:
+                with pa.memory_map(os.path.join(dirpath, name)) as f:
+                    pa.ipc.open_stream(f).read_all()
+            except Exception:  # noqa: BLE001 - any failure marks the file
+                return os.path.join(dirpath, name)
+    return None
+
+
+def _load_dataset(path: str, split: str | None, key_name: str) -> tuple[Any, str | None]:
     """``(Dataset, split name)`` from a save_to_disk dir; a DatasetDict defaults to 'train' (else the first)."""
     import datasets
 
-    ds = datasets.load_from_disk(path)
+    ds = load_saved_dataset(path, key_name)
     if not isinstance(ds, datasets.DatasetDict):
         return ds, None
     if split is None:
@@ -153,8 +190,23 @@ def _load_dataset(path: str, split: str | None) -> tuple[Any, str | None]:
     return ds[split], split
 
 
+def _column_problem(ds: Any, column: str, pretokenized: bool) -> str | None:
+    """Why ``column`` cannot be read as documents (text: strings; ``input_ids``: lists of integers), or None."""
+    import pyarrow as pa
+
+    kind = ds.data.schema.field(column).type
+    if not pretokenized:
+        return None if pa.types.is_string(kind) or pa.types.is_large_string(kind) else \
+            f"column {column!r} holds {kind}, not text (strings)"
+    listed = pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind)
+    if not listed or not pa.types.is_integer(kind.value_type):
+        return (f"column 'input_ids' holds {kind}, not lists of integer token ids (float ids would be truncated); "
+                "tokenize again, or cast it to lists of int32 / int64")
+    return None
+
+
 def _datasets_source(path: str, text_key: str, key_name: str) -> DocumentSource:
-    ds, split = _load_dataset(path, None)
+    ds, split = _load_dataset(path, None, key_name)
     columns = ds.column_names
     if text_key in columns:
         pretok = False
@@ -163,6 +215,9 @@ def _datasets_source(path: str, text_key: str, key_name: str) -> DocumentSource:
     else:
         raise ValueError(f"{key_name}: dataset {path} has no column {text_key!r} (data.text_key) and no "
                          f"'input_ids' column; its columns are {columns}; set data.text_key")
+    problem = _column_problem(ds, "input_ids" if pretok else text_key, pretok)
+    if problem is not None:
+        raise ValueError(f"{key_name}: dataset {path}: {problem}")
     return DocumentSource("datasets", path, (path,), path, text_key=text_key, key_name=key_name,
                           pretokenized=pretok, dataset_split=split)
 
@@ -182,9 +237,7 @@ def split_source(src: DocumentSource, val_fraction: float) -> tuple[DocumentSour
         train, val = corpus.split_train_val(list(src.files), val_fraction, root=src.root)
         return dataclasses.replace(src, files=tuple(train)), dataclasses.replace(src, files=tuple(val))
     if src.kind == "datasets" and src.dataset_split is not None:
-        import datasets
-
-        names = list(datasets.load_from_disk(src.path).keys())
+        names = list(load_saved_dataset(src.path, src.key_name).keys())
         held = next((n for n in _VAL_SPLITS if n in names), None)
         if held is not None and held != src.dataset_split:
             return src, dataclasses.replace(src, dataset_split=held)
@@ -205,8 +258,10 @@ def iter_documents(src: DocumentSource) -> Iterator[Any]:
     Yields:
         ``str`` per document, or ``list[int]`` token ids when ``src.pretokenized``.
     Raises:
-        ValueError: malformed jsonl line or missing key (names ``file:line``), a text file that is not UTF-8
-            (names the file), or a corpus without any non-empty document (names the path and key).
+        ValueError: malformed jsonl line, missing key or wrong type (names ``file:line``), a file that is not
+            UTF-8 text (UTF-16, other bytes, NUL bytes: names file, line and byte), a damaged datasets
+            directory or one whose column has the wrong type (float / negative token ids), or a corpus without
+            any non-empty document (names the path and key).
     """
     readers = {"text": _iter_text, "jsonl": _iter_jsonl, "datasets": _iter_dataset}
     count = 0
@@ -221,26 +276,20 @@ def iter_documents(src: DocumentSource) -> Iterator[Any]:
 
 
 def _iter_text(src: DocumentSource) -> Iterator[str]:
-    for path in src.files:
-        try:
-            with open(path, encoding="utf-8") as f:
-                yield f.read()
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{src.key_name}: {path} is not UTF-8 text ({e.reason} at byte {e.start}); "
-                             f"narrow data.file_glob to text files") from e
+    for path in src.files:  # UTF-8 only: other encodings and NUL bytes name the file, line and byte
+        yield read_text(path, key=src.key_name)
 
 
 def _iter_jsonl(src: DocumentSource) -> Iterator[str]:
     for path in src.files:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, start=1):
-                if line.strip():
-                    yield _jsonl_text(line, path, lineno, src.text_key)
+        for lineno, line in iter_text_lines(path, key=src.key_name):
+            if line.strip():
+                yield _jsonl_text(line, path, lineno, src.text_key)
 
 
 def _jsonl_text(line: str, path: str, lineno: int, key: str) -> str:
     try:
-        obj = json.loads(line)
+        obj = parse_json(line, path, line=lineno)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}:{lineno}: malformed JSON line ({e.msg} at column {e.colno}); every line of a "
                          f".jsonl file must be one JSON object") from e
@@ -257,7 +306,26 @@ def _jsonl_text(line: str, path: str, lineno: int, key: str) -> str:
 
 
 def _iter_dataset(src: DocumentSource) -> Iterator[Any]:
-    ds, _ = _load_dataset(src.path, src.dataset_split)
+    ds, _ = _load_dataset(src.path, src.dataset_split, src.key_name)
     column = "input_ids" if src.pretokenized else src.text_key
+    if src.pretokenized:
+        _check_token_ids(ds, src)
     for start in range(0, len(ds), 1024):
         yield from ds[start:start + 1024][column]
+
+
+def _check_token_ids(ds: Any, src: DocumentSource) -> None:
+    """Refuse negative ids and ids beyond int32 in ``input_ids`` (one arrow pass), naming the first bad row."""
+    import numpy as np
+    import pyarrow.compute as pc
+
+    ids = pc.list_flatten(ds.data.column("input_ids"))
+    if len(ids) == 0:
+        return
+    low, high = pc.min_max(ids).values()
+    if low.as_py() >= 0 and high.as_py() <= np.iinfo(np.int32).max:
+        return
+    row = next((i for i, doc in enumerate(ds["input_ids"]) if doc and (min(doc) < 0 or max(doc) > 2**31 - 1)), "?")
+    raise ValueError(f"{src.key_name}: dataset {src.path}, row {row}: token ids must be in [0, 2**31), the "
+                     f"column 'input_ids' holds ids from {low.as_py()} to {high.as_py()}; the data is not token "
+                     "ids of a tokenizer: tokenize it again")

@@ -36,9 +36,10 @@ import shutil
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from nxd_lc.config.access import resolve_path
+from nxd_lc.config.input_files import read_json, read_text
 from nxd_lc.config.schema import TokenizerConfig
 from nxd_lc.runtime import faults
 
@@ -230,23 +231,66 @@ def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Itera
 
 #: files of an HF model / tokenizer directory whose ``auto_map`` points transformers at Python code in the directory
 _CODE_MAP_FILES = ("tokenizer_config.json", "config.json")
+#: JSON / text files of an HF tokenizer directory that transformers or tokenizers read (checked first, see
+#: :func:`check_tokenizer_files`)
+_JSON_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
+               "config.json", "vocab.json")
+_TEXT_FILES = ("merges.txt",)
 
 
-def refuse_remote_code(directory: str, key: str) -> None:
+def _json_file(path: str, key: str) -> Any:
+    """:func:`read_json` of a tokenizer file with a syntax error worded for it (names file, line and column)."""
+    try:
+        return read_json(path, key=key)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{key}: {path} is not valid JSON (line {e.lineno}, column {e.colno}: {e.msg}); the "
+                         "tokenizer file is damaged: copy it again from the model's release") from None
+
+
+def check_tokenizer_files(directory: str, key: str) -> dict[str, Any]:
+    """Read the tokenizer files of ``directory`` that exist (:data:`_JSON_FILES` as JSON, ``merges.txt`` as text)
+    with :mod:`nxd_lc.config.input_files`' checks, before transformers parses them (whose errors name neither the
+    file nor, for too-deep JSON, anything: a ``RecursionError``).
+
+    Returns:
+        ``{file name: parsed JSON}`` of the JSON files present.
+    Raises:
+        ValueError: a file that is not UTF-8 (UTF-16, other bytes, NUL bytes), not valid JSON, nested too deep or
+            holding out-of-range numbers; names ``key``, the file and its line, and the fix.
+    """
+    parsed = {}
+    for name in _JSON_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            parsed[name] = _json_file(path, key)
+    for name in _TEXT_FILES:
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            read_text(path, key=key)
+    return parsed
+
+
+def refuse_remote_code(directory: str, key: str, parsed: dict[str, Any] | None = None) -> None:
     """Raise when ``directory`` asks transformers to run its own Python code (an ``auto_map`` entry in
     ``tokenizer_config.json`` or ``config.json``): nxd_lc never runs code from a model directory. Every load also
     passes ``trust_remote_code=False``, so such a directory can never prompt on the terminal or run its code.
 
+    Args:
+        directory: the tokenizer / model directory.
+        key: config key naming it.
+        parsed: the files already read by :func:`check_tokenizer_files` (None: read them here).
     Raises:
-        ValueError: naming ``key``, the file and the classes it maps.
+        ValueError: naming ``key``, the file and the classes it maps; or a damaged file (as
+            :func:`check_tokenizer_files`).
     """
     for name in _CODE_MAP_FILES:
         path = os.path.join(directory, name)
-        try:
-            with open(path, encoding="utf-8") as f:
-                record = json.load(f)
-        except (OSError, ValueError):
-            continue  # absent, or damaged: the loader's own error names it
+        if parsed is not None:
+            record = parsed.get(name)
+        elif os.path.isfile(path):
+            record = _json_file(path, key)
+        else:
+            continue
         if isinstance(record, dict) and record.get("auto_map"):
             raise ValueError(f"{key}: {path} maps classes to Python code in the directory (auto_map: "
                              f"{record['auto_map']}); nxd_lc never runs code from a model directory: use a "
@@ -257,12 +301,13 @@ def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
               require_fast: bool = True) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
-    refuse_remote_code(directory, "data.tokenizer.type")
+    refuse_remote_code(directory, "data.tokenizer.type", check_tokenizer_files(directory, "data.tokenizer.type"))
     try:
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast,
                                             trust_remote_code=False)
-    except (OSError, ValueError, ImportError) as e:
-        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: {e}") from e
+    except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a file it cannot parse
+        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: "
+                         f"{type(e).__name__}: {e}") from e
     if require_fast and not getattr(tok, "is_fast", False):
         hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
         raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "
@@ -368,6 +413,13 @@ def _gpt2_bpe(tok_cfg: TokenizerConfig) -> PreTrainedTokenizerFast:
         if path is None or not os.path.isfile(resolve_path(path)):
             raise ValueError(f"data.tokenizer.{key}: {GPT2_BPE} needs an existing file, got {path!r}")
         paths[key] = resolve_path(path)
+    vocab = _json_file(paths["vocab_file"], "data.tokenizer.vocab_file")
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) and not isinstance(v, bool) for v in vocab.values()):
+        got = "an object with a value that is not an integer" if isinstance(vocab, dict) else \
+            f"a JSON {type(vocab).__name__}"
+        raise ValueError(f"data.tokenizer.vocab_file: {paths['vocab_file']} must be one JSON object of token -> "
+                         f"integer id (GPT-2's vocab.json), got {got}")
+    read_text(paths["merge_file"], key="data.tokenizer.merge_file")
     try:
         tok = GPT2TokenizerFast(vocab=paths["vocab_file"], merges=paths["merge_file"])
     except Exception as e:  # tokenizers raises its own exception types on malformed files

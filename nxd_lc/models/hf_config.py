@@ -5,7 +5,6 @@ merged into the file's own, validated by HF's rules)."""
 from __future__ import annotations
 
 import difflib
-import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from typing import Any
 from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
 
 from nxd_lc.models.common.rope import raise_on_problems, rope_scaling_problems, rope_spec_from_config
+from nxd_lc.models.config_json import read_config_json
 
 __all__ = ["CONFIG_CLASSES", "build_llama_config"]
 
@@ -35,19 +35,16 @@ CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "mist
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:
-    """Parse an HF config.json into a dict; FileNotFoundError / ValueError name the file."""
+    """Parse an HF config.json into a dict (read and type-checked by
+    :func:`~nxd_lc.models.config_json.read_config_json`); FileNotFoundError / ValueError name the file (and its line
+    or field)."""
     if path.is_dir():
         path = path / "config.json"
     if not path.is_file():
         raise FileNotFoundError(
             f"model.model_config: {path} does not exist; point it at an HF config.json or its directory"
         )
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"model.model_config: {path} is not valid JSON (line {e.lineno}: {e.msg})") from e
-    if not isinstance(raw, dict):
-        raise ValueError(f"model.model_config: {path} must hold a JSON object, got {type(raw).__name__}")  # noqa: TRY004
+    raw = read_config_json(str(path))
     if raw.get("model_type", "llama") not in CONFIG_CLASSES:
         raise ValueError(f"model.model_config: {path} has model_type={raw['model_type']!r}; supported: "
                          f"{', '.join(sorted(CONFIG_CLASSES))}")

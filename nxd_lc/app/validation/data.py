@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from nxd_lc.app.validation.parallel import length_divisibility_problems
 from nxd_lc.config.access import data_parallel_size, microbatch_problem, model_seq_length, resolve_path, seq_length
+from nxd_lc.config.input_files import glob_files
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.megatron_dataset import megatron_data_problems
 from nxd_lc.data.retrieval_tasks import TASKS
@@ -174,9 +175,8 @@ def sft_style_problems(cfg: NxdConfig) -> list[str]:
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:
-    """Input paths that must exist at launch: data dirs, tokenizer dir, resume_from_checkpoint."""
-    import glob
-
+    """Input paths that must exist at launch: data dirs (a glob must match a file; a directory link loop is
+    skipped with a warning, never followed), tokenizer dir, resume_from_checkpoint."""
     p: list[str] = []
     d = cfg.data
     if d.data_prefix is not None:
@@ -187,8 +187,7 @@ def path_problems(cfg: NxdConfig) -> list[str]:
         p.append("data.train_dir: not set; point it at text files/jsonl/a datasets dir, or set "
                  "data.builtin_corpus: python_stdlib")
     for key, path in (("data.train_dir", d.train_dir), ("data.val_dir", d.val_dir)):
-        if path is not None and not (os.path.exists(resolve_path(path))
-                                     or glob.glob(resolve_path(path), recursive=True)):
+        if path is not None and not (os.path.exists(resolve_path(path)) or glob_files(resolve_path(path), key=key)):
             p.append(f"{key}: no such file, directory or glob match: {resolve_path(path)}")
     for key, path, is_dir in tokenizer_paths(d.tokenizer):
         if not (os.path.isdir if is_dir else os.path.isfile)(resolve_path(path)):
