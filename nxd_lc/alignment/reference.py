@@ -20,7 +20,10 @@ by global rank 0. The key (:func:`reference_fingerprint`) hashes the data files 
 data keys that change the pairs, the tokenizer, ``seq_length``, the prompt cap and truncation mode, the model
 config, a TP-independent checksum of the base weights (:func:`weights_checksum`), ``model.hf_weights_dir`` and
 the precision (parameter and autocast dtypes). All ranks decide together whether the cache is usable, so a rank
-that cannot see the file (another node) makes every rank recompute instead of deadlocking.
+that cannot see the file (another node) makes every rank recompute instead of deadlocking. A damaged cache
+(larger than its tables can be, truncated, random bytes, another run's key or splits, tables of the wrong shape
+or dtype, NaN / infinite values, counts that are not whole numbers >= 0) is never used: a warning names the file
+and the reason, and the tables are recomputed and the file rewritten (:func:`load_reference_tables`).
 """
 
 from __future__ import annotations
@@ -39,7 +42,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from nxd_lc.checkpoint.xser import safe_torch_load
+from nxd_lc.checkpoint.xser import UnsafeCheckpointError, safe_torch_load
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import resolved_max_prompt_length
 from nxd_lc.distributed import collectives
@@ -331,22 +334,84 @@ def save_reference_tables(path: str, fingerprint: str, tables: dict[str, torch.T
     return True
 
 
+#: Bytes a cache file may hold beyond its tables' ``16 * rows`` (zip directory, pickle, alignment padding; a
+#: two-table cache of our own is ~1.5 KB of it).
+_CACHE_SLACK_BYTES = 1 << 20
+
+
+def _table_problem(name: str, table: Any, rows: int) -> Optional[str]:
+    """What is wrong with cached table ``name`` (None: usable): not a float tensor ``[rows, 4]`` (checked on the
+    shape first, so nothing is read from a tensor of another size), non-finite values, or counts (columns 1 and
+    3) that are not whole numbers >= 0."""
+    width = len(REFERENCE_COLUMNS)
+    if not isinstance(table, torch.Tensor) or not table.is_floating_point():
+        what = f"a {table.dtype} tensor" if isinstance(table, torch.Tensor) else f"a {type(table).__name__}"
+        return f"table {name!r} is {what}, not float32"
+    if tuple(table.shape) != (rows, width):
+        return f"table {name!r} has shape {tuple(table.shape)}, this run has {rows} pairs ([{rows}, {width}])"
+    bad = ~torch.isfinite(table)
+    if bool(bad.any()):
+        row, col = (int(i) for i in bad.nonzero()[0])
+        return (f"table {name!r} holds {int(bad.sum())} NaN / infinite values (first: row {row}, "
+                f"{REFERENCE_COLUMNS[col]})")
+    counts = table[:, 1::2]
+    if not bool(((counts >= 0) & (counts == counts.round())).all()):
+        return f"table {name!r} has token counts that are not whole numbers >= 0"
+    return None
+
+
+def _read_cache(path: str, fingerprint: str, sizes: dict[str, int]) -> tuple[Optional[dict[str, torch.Tensor]], str]:
+    """``(tables, "")`` when the cache file at ``path`` holds this run's tables, else ``(None, why not)``.
+
+    Raises:
+        UnsafeCheckpointError: the file names a global (code) outside the allowed set; nothing in it was run.
+    """
+    size = os.path.getsize(path)
+    limit = 4 * len(REFERENCE_COLUMNS) * sum(sizes.values()) + _CACHE_SLACK_BYTES
+    if size > limit:  # before anything is read: a cache of these sizes is never larger
+        return None, f"it is {size} bytes, a cache of {sum(sizes.values())} pairs is at most {limit}"
+    try:
+        payload = safe_torch_load(path)
+    except UnsafeCheckpointError as e:
+        if e.refused:  # a named global: code planted in the file, not damage; stop and say so
+            raise
+        return None, f"it cannot be read ({e})"
+    except Exception as e:  # noqa: BLE001 - torch.load raises RuntimeError / UnpicklingError / EOFError / KeyError
+        return None, f"it cannot be read ({type(e).__name__}: {str(e)[:200]})"
+    if not isinstance(payload, dict) or not isinstance(payload.get("tables"), dict):
+        return None, "it does not hold a dict with a 'tables' dict"
+    got = payload["tables"]
+    if payload.get("fingerprint") != fingerprint or set(got) != set(sizes):
+        return None, f"it does not match this run (key, or splits {sorted(map(str, got))} vs {sorted(sizes)})"
+    for name, rows in sizes.items():
+        problem = _table_problem(name, got[name], rows)
+        if problem:
+            return None, problem
+    return {k: got[k].float() for k in sizes}, ""
+
+
 def load_reference_tables(path: str, fingerprint: str, sizes: dict[str, int],
                           device: torch.device) -> Optional[dict[str, torch.Tensor]]:
     """The cached tables at ``path`` if EVERY rank can read them and they match ``fingerprint`` and ``sizes``
-    (``{"train": N, "val": M}``), else None (then all ranks recompute). Collective over the world group."""
+    (``{"train": N, "val": M}``), else None (then all ranks recompute). Collective over the world group.
+
+    A damaged cache is never used and never stops the run: larger than a cache of these sizes can be (checked
+    before reading), unreadable (truncated, random bytes), not this run's (key, splits), a table of the wrong
+    shape or dtype, NaN / infinite values, or counts that are not whole numbers >= 0: a warning names the file
+    and the reason, and the tables are recomputed (and the file rewritten).
+
+    Raises:
+        UnsafeCheckpointError: the file names a global outside the allowed set (code planted in it; nothing ran).
+    """
     tables = None
     if os.path.isfile(path):
         try:
-            payload = safe_torch_load(path)  # UnsafeCheckpointError (names the global) for a file holding code
-            got = payload.get("tables", {})
-            if payload.get("fingerprint") == fingerprint and set(got) == set(sizes) and all(
-                    tuple(got[k].shape) == (n, len(REFERENCE_COLUMNS)) for k, n in sizes.items()):
-                tables = {k: got[k].float() for k in sizes}
-            else:
-                log.warning("reference log-probs: %s does not match this run (key or sizes); recomputing", path)
-        except (OSError, RuntimeError, ValueError, EOFError) as e:
-            log.warning("reference log-probs: cannot read %s (%s); recomputing", path, e)
+            tables, why = _read_cache(path, fingerprint, sizes)
+        except OSError as e:
+            tables, why = None, f"it cannot be read ({e})"
+        if tables is None:
+            log.warning("reference log-probs: the cache %s is not used: %s; recomputing the reference log-probs "
+                        "(the file is rewritten)", path, why)
     if not _all_ranks_true(tables is not None, device):
         return None
     return tables

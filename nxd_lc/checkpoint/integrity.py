@@ -10,10 +10,14 @@ the digests in ``manifest.d/rank_<global rank>.json`` inside the staging directo
 merges those into ``manifest.json`` (fsynced) and only then writes ``done``. So a published checkpoint either
 has a manifest naming every file of it or predates manifests.
 
-On load, each rank checks the manifest's file list against the disk (every file present with its recorded
-size: catches missing directories and truncation anywhere in the checkpoint, at the cost of one ``stat`` per
-file) and hashes the files it is about to read. The algorithm is SHA-256 (``hashlib.sha256``, FIPS 180-4):
-on this project's 2-core CI machine it hashes 1.2 GB/s per core (:func:`nxd_lc.runtime.files.file_digest`).
+On load the manifest itself is checked first (:func:`read_manifest`: UTF-8 JSON of the shape above, every path
+relative and inside the checkpoint, every entry a size and a 64-hex-digit digest, at least one model shard listed:
+:func:`check_lists_folder`); a damaged manifest makes the checkpoint a damaged one, so resume falls back to the
+previous checkpoint as it does for a flipped byte in a shard. Then each rank checks the manifest's file list
+against the disk (every file present with its recorded size: catches missing directories and truncation anywhere
+in the checkpoint, at the cost of one ``stat`` per file) and hashes the files it is about to read. The algorithm
+is SHA-256 (``hashlib.sha256``, FIPS 180-4): on this project's 2-core CI machine it hashes 1.2 GB/s per core
+(:func:`nxd_lc.runtime.files.file_digest`).
 Files verified once in a process are not hashed again while their size and mtime are unchanged.
 """
 
@@ -26,6 +30,7 @@ import shutil
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nxd_lc.config.input_files import read_json
 from nxd_lc.runtime.files import file_digest
 
 logger = logging.getLogger(__name__)
@@ -121,25 +126,84 @@ def _write_json(path: str, obj: Any) -> None:
 def read_manifest(tag_dir: str) -> dict[str, dict[str, Any]] | None:
     """The ``files`` table of ``<tag_dir>/manifest.json``, or None when the checkpoint has no manifest.
 
+    The manifest is checked before anything in it is used: UTF-8 JSON (:func:`nxd_lc.config.input_files.read_json`:
+    no NaN, no over-long numbers, no nesting beyond the parser's limit), an object with ``algorithm`` SHA-256,
+    ``format`` :data:`MANIFEST_FORMAT` when present and a ``files`` object whose every entry is a relative path
+    inside the checkpoint (``/``-separated, no ``..``, not absolute; see :func:`manifest_entry_problem`) mapped to
+    ``{"bytes": <int >= 0>, "sha256": <64 hex digits>}``.
+
     Raises:
-        CheckpointIntegrityError: the manifest exists but is not valid JSON of the expected shape, or names
-            an algorithm other than SHA-256.
+        CheckpointIntegrityError: the manifest exists but is unreadable, not JSON, or not of that shape (names the
+            manifest and, for a bad entry, the entry); the caller treats the checkpoint as damaged.
     """
     path = os.path.join(tag_dir, MANIFEST_FILE)
     if not os.path.isfile(path):
         return None
     try:
-        with open(path) as f:
-            doc = json.load(f)
-        files = doc["files"]
-        algorithm = doc["algorithm"]
-    except (ValueError, KeyError, TypeError, OSError) as e:
+        doc = read_json(path)
+    except (ValueError, OSError) as e:  # a syntax error, bad UTF-8, NaN, nesting too deep, unreadable
         raise CheckpointIntegrityError(path, f"checkpoint manifest {path!r} is unreadable ({e}); the checkpoint "
-                                             f"cannot be verified") from e
-    if algorithm != ALGORITHM or not isinstance(files, Mapping):
-        raise CheckpointIntegrityError(path, f"checkpoint manifest {path!r}: expected algorithm {ALGORITHM!r} and a "
-                                             f"'files' object, got algorithm {algorithm!r}")
-    return dict(files)
+                                             f"cannot be verified") from None
+    problem = _manifest_problem(doc)
+    if problem:
+        raise CheckpointIntegrityError(path, f"checkpoint manifest {path!r} is damaged: {problem}; the checkpoint "
+                                             f"cannot be verified")
+    return dict(doc["files"])
+
+
+def _manifest_problem(doc: Any) -> str | None:
+    """What is wrong with a parsed manifest (None: nothing)."""
+    if not isinstance(doc, dict):
+        return f"expected a JSON object, got {type(doc).__name__}"
+    if doc.get("algorithm") != ALGORITHM:
+        return f"expected algorithm {ALGORITHM!r}, got {str(doc.get('algorithm'))[:40]!r}"
+    if "format" in doc and (type(doc["format"]) is not int or doc["format"] != MANIFEST_FORMAT):
+        return (f"format {str(doc['format'])[:40]!r}, this nxd_lc reads format {MANIFEST_FORMAT} (a newer nxd_lc "
+                f"wrote it, or it was altered)")
+    files = doc.get("files")
+    if not isinstance(files, dict):
+        return f"expected a 'files' object, got {type(files).__name__}"
+    for rel, entry in files.items():
+        problem = manifest_entry_problem(rel, entry)
+        if problem:
+            return f"entry {rel[:200]!r}: {problem}"
+    return None
+
+
+_HEX = frozenset("0123456789abcdef")
+
+
+def manifest_entry_problem(rel: str, entry: Any) -> str | None:
+    """What is wrong with one ``files`` entry of a manifest (None: nothing).
+
+    ``rel`` must be a normalised relative path inside the checkpoint (no empty, ``.`` or ``..`` parts, no
+    leading ``/``, no backslash or NUL), so that nothing outside the checkpoint directory is ever looked at
+    through a manifest; ``entry`` must be ``{"bytes": int >= 0, "sha256": 64 lowercase hex digits}``.
+    """
+    parts = rel.split("/")
+    if not rel or rel.startswith("/") or "\\" in rel or "\0" in rel or any(p in ("", ".", "..") for p in parts):
+        return "not a relative path inside the checkpoint directory"
+    if not isinstance(entry, dict):
+        return f"expected {{'bytes': ..., '{ALGORITHM}': ...}}, got {type(entry).__name__}"
+    size, digest = entry.get("bytes"), entry.get(ALGORITHM)
+    if type(size) is not int or size < 0:
+        return f"'bytes' must be a whole number >= 0, got {str(size)[:40]!r}"
+    if not isinstance(digest, str) or len(digest) != 64 or not set(digest) <= _HEX:
+        return f"'{ALGORITHM}' must be 64 lowercase hex digits, got {str(digest)[:80]!r}"
+    return None
+
+
+def check_lists_folder(tag_dir: str, manifest: Mapping[str, Any], folder: str) -> None:
+    """``manifest`` lists at least one file under ``folder`` (e.g. ``model``) when ``tag_dir`` has that folder: a
+    manifest emptied or cut down to a few entries would otherwise let the shards be loaded unverified.
+
+    Raises:
+        CheckpointIntegrityError: the folder exists but the manifest names nothing in it.
+    """
+    if os.path.isdir(os.path.join(tag_dir, folder)) and not any(rel.startswith(folder + "/") for rel in manifest):
+        path = os.path.join(tag_dir, MANIFEST_FILE)
+        raise CheckpointIntegrityError(path, f"checkpoint manifest {path!r} lists no file under {folder}/: it is "
+                                             f"incomplete, so the checkpoint cannot be verified")
 
 
 def warn_unverified(tag_dir: str) -> None:

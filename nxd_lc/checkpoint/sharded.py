@@ -59,6 +59,7 @@ from nxd_lc.checkpoint.xser import (
     save_xser,
     torch_save_file,
 )
+from nxd_lc.config.input_files import read_json
 from nxd_lc.distributed import collectives
 from nxd_lc.runtime import faults
 
@@ -401,17 +402,20 @@ def is_complete(path: str) -> bool:
 
 
 def _done_record(tag_dir: str) -> tuple[int | None, float]:
-    """(step, save time) from ``done``; NxD's plain "1" marker gives (None, file mtime)."""
+    """(step, save time) from ``done``; NxD's plain "1" marker gives (None, file mtime), and so does a damaged
+    record (not UTF-8 / not JSON, nested too deeply, a number beyond a float, a step that is not a whole number):
+    it only orders the checkpoints, so it never stops a start."""
     done = os.path.join(tag_dir, DONE_FILE)
     try:
-        with open(done) as f:
-            rec = json.load(f)
-        step = rec.get("step") if isinstance(rec, dict) else None
-        saved_at = rec.get("saved_at") if isinstance(rec, dict) else None
+        rec = read_json(done)
     except (ValueError, OSError):
-        step, saved_at = None, None
-    step = step if isinstance(step, int) and not isinstance(step, bool) else None
-    return step, float(saved_at) if isinstance(saved_at, (int, float)) else os.path.getmtime(done)
+        rec = None
+    step = rec.get("step") if isinstance(rec, dict) else None
+    saved_at = rec.get("saved_at") if isinstance(rec, dict) else None
+    step = step if type(step) is int else None
+    if type(saved_at) in (int, float) and abs(saved_at) < 1e300:  # a time, not an overflowing integer
+        return step, float(saved_at)
+    return step, os.path.getmtime(done)
 
 
 def list_checkpoints(ckpt_root: str) -> list[str]:
@@ -631,7 +635,8 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
                       load_optim: bool = True, ep_rank: int | None = None) -> bool:
     """Check what this rank would load from ``<ckpt_root>/<tag>`` (local, no collectives).
 
-    With a manifest: every listed file exists with its size (the whole checkpoint), and this rank's files
+    With a manifest (checked first: :func:`~nxd_lc.checkpoint.integrity.read_manifest`, and it must list a model
+    shard): every listed file exists with its size (the whole checkpoint), and this rank's files
     (:func:`rank_files`, each with its xser tensor files) match their SHA-256. When this rank's model shard is
     not in the checkpoint (saved at another TP/PP layout, which is not an integrity problem: the resume plan
     reports it), every model and optimizer file is hashed. Without a manifest (written before checksums, or by
@@ -658,6 +663,7 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
                 raise _missing_shard_error(os.path.join(tag_dir, rel), tag_dir)
         return False
     integrity.check_present(tag_dir, manifest)
+    integrity.check_lists_folder(tag_dir, manifest, MODEL_DIR)
     if any(rel not in manifest for rel in rels[:2]):  # saved at another TP / PP / ZeRO-1 layout: verify every shard
         rels = sorted({r.split(".tensors/")[0] for r in manifest if r.startswith((MODEL_DIR + "/", OPTIM_DIR + "/"))}
                       | {r for r in rels[1:] if r in manifest})

@@ -35,12 +35,14 @@ a trusted legacy checkpoint with custom objects can still be read that way with
 from __future__ import annotations
 
 import copy
+import io
 import logging
 import os
 import pickle
 import re
 import shutil
 import types
+import zipfile
 from collections.abc import Callable
 from typing import Any
 
@@ -120,13 +122,117 @@ def set_weights_only(enabled: bool) -> None:
                     "which runs any code they contain; load only checkpoints you trust")
 
 
+class _Scanned:
+    """Stands for every global a pickle names while :func:`_declared_storages` scans it: never calls anything."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> _Scanned:
+        return _Scanned()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, item: Any) -> None:
+        pass
+
+    def extend(self, items: Any) -> None:
+        pass
+
+
+class _BadStorage(ValueError):
+    """A storage reference in a pickle that torch's loader must not be given."""
+
+
+class _StorageScan(pickle.Unpickler):
+    """Reads a zip-format ``data.pkl`` recording each storage's ``(key, declared bytes)``; every global is a
+    :class:`_Scanned` stand-in, so no code is looked up or run."""
+
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.declared: dict[str, int] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        return type(name, (_Scanned,), {})
+
+    def persistent_load(self, pid: Any) -> Any:
+        name = getattr(pid[1], "__name__", "") if isinstance(pid, tuple) and len(pid) == 5 else ""
+        width = 1 if name == "UntypedStorage" else _STORAGE_WIDTH.get(name, 0)
+        if width == 0 or type(pid[4]) is not int or pid[4] < 0:
+            raise _BadStorage(f"a storage reference it cannot hold: {str(pid)[:120]}")
+        self.declared[str(pid[2])] = pid[4] * width
+        return _Scanned()
+
+
+#: Bytes per element of torch's typed storage classes (as a pickle names them).
+_STORAGE_WIDTH = {"DoubleStorage": 8, "FloatStorage": 4, "HalfStorage": 2, "BFloat16Storage": 2, "LongStorage": 8,
+                  "IntStorage": 4, "ShortStorage": 2, "CharStorage": 1, "ByteStorage": 1, "BoolStorage": 1,
+                  "ComplexDoubleStorage": 16, "ComplexFloatStorage": 8, "QInt8Storage": 1, "QUInt8Storage": 1,
+                  "QInt32Storage": 4, "QUInt4x2Storage": 1, "QUInt2x4Storage": 1}
+
+
+def check_stored_records(path: str) -> None:
+    """Refuse a zip-format ``torch.save`` file whose records torch would over-allocate or over-read, before
+    ``torch.load`` reads it (docs/robustness.md, "torch's restricted loader").
+
+    ``torch.save`` stores every record uncompressed, and torch's reader bounds a stored record by the file's size;
+    but it also inflates deflate-compressed records, allocating each one's declared uncompressed size first (a
+    1 MB file inflates to 1 GiB, and a header may claim any size). And torch 2.9 builds each storage with the size
+    the pickle declares over a buffer of the record's size, without comparing them (torch 2.13 compares): a 5 KB
+    file gives a 4 TiB "tensor" over a 4 KB buffer, whose reads run past it. So: every record must be stored and no
+    larger than the file, and every storage the pickle declares must have exactly its record's size. Cost: the zip
+    directory and the pickle record are read once more (no tensor data); the scan runs no code. A file that is not a
+    zip archive (torch's legacy format, or damaged) is left to torch's reader.
+
+    Raises:
+        ValueError: names the file and the record (or storage) and what is wrong with it.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            records = archive.infolist()
+            size = os.path.getsize(path)
+            for rec in records:
+                if rec.compress_type != zipfile.ZIP_STORED or rec.file_size > size:
+                    raise ValueError(f"{path}: record {rec.filename[:200]!r} is compressed or claims {rec.file_size} "
+                                     f"bytes uncompressed in a {size}-byte file; torch.save never writes such a "
+                                     f"record, so the file was not written by torch.save (or was altered): refused "
+                                     f"before reading it")
+            pkl = [r for r in records if r.filename.endswith("/data.pkl") and r.filename.count("/") == 1]
+            data = {r.filename.split("/", 1)[1][len("data/"):]: r.file_size for r in records
+                    if r.filename.count("/") == 2 and r.filename.split("/")[1] == "data"}
+            scan = _StorageScan(archive.read(pkl[0])) if len(pkl) == 1 else None
+    except ValueError:
+        raise
+    except Exception:  # noqa: BLE001 - not a zip archive (or not one zipfile can read): torch reports it
+        return
+    if scan is None:
+        return
+    try:
+        scan.load()
+    except _BadStorage as e:
+        raise ValueError(f"{path}: the pickle holds {e}; the file was altered or damaged: refused") from None
+    except Exception:  # noqa: BLE001 - a pickle the scan cannot follow: torch's unpickler reports it (or refuses)
+        return
+    for key, nbytes in scan.declared.items():
+        if data.get(key) != nbytes:
+            raise ValueError(f"{path}: the pickle declares storage {key[:40]!r} of {nbytes} bytes but its record "
+                             f"holds {data.get(key, 'no')} bytes; the file was altered or damaged: refused before "
+                             f"torch reads past the record")
+
+
 def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` of ``path`` with the restricted unpickler and :data:`SAFE_GLOBALS` (full unpickling only
-    under ``set_weights_only(False)``).
+    under ``set_weights_only(False)``), after :func:`check_stored_records`.
 
     Raises:
         UnsafeCheckpointError: the file names a global outside the allowed set (names the file and the global).
+        ValueError: a zip record is compressed or larger than the file (:func:`check_stored_records`).
     """
+    check_stored_records(path)
     if not _WEIGHTS_ONLY[0]:
         return torch.load(path, map_location=map_location, pickle_module=_xser_pickle_module, weights_only=False)
     try:
