@@ -259,7 +259,7 @@ def load_adapters(model: nn.Module, peft: PeftConfig, path: str) -> None:
         problems = _settings_problems(saved, where)
         if problems:
             raise ValueError(f"{PEFT_KEY}.lora_ckpt_path: " + "; ".join(problems) + "; save the adapters again")
-        _check_settings(saved, peft, file)
+        _check_settings(saved, peft, where)  # names the file the settings came from
     _check_tensors(model, state, file, full=not sharded)
     if not sharded and ps.get_pipeline_model_parallel_world_size() > 1:  # this stage's adapters of the full file
         local = set(lora_state_dict(model, full=False))

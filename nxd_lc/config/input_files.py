@@ -138,6 +138,24 @@ def _line_of(text: str, literal: str) -> int | None:
     return None if at < 0 else text.count("\n", 0, at) + 1
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """True when a string (key or value) anywhere in the parsed JSON ``value`` holds a lone surrogate."""
+    stack = [value]
+    while stack:
+        v = stack.pop()
+        if isinstance(v, str):
+            try:
+                v.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(v, dict):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list):
+            stack.extend(v)
+    return False
+
+
 def parse_json(text: str, path: str, *, line: int | None = None, key: str | None = None) -> Any:
     """``json.loads(text)`` of the file ``path`` with the checks of the module doc.
 
@@ -153,7 +171,14 @@ def parse_json(text: str, path: str, *, line: int | None = None, key: str | None
             or nesting beyond the parser's recursion limit; names ``path:line``.
     """
     try:
-        return json.loads(text, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant)
+        value = json.loads(text, parse_float=_parse_float, parse_int=_parse_int, parse_constant=_parse_constant)
+        # valid UTF-8 cannot hold a lone UTF-16 surrogate; only a \ud800-\udfff escape can put one in a string
+        # (a pair of escapes becomes one character), and tokenizers / encoders fail on it later without the file
+        if "\\u" in text and _has_lone_surrogate(value):
+            raise _NumberError("\\ud", "a string holds a lone UTF-16 surrogate escape "
+                               "(\\ud800-\\udfff without its pair), which is no character; fix or drop the "
+                               "record")
+        return value
     except _NumberError as e:
         at = line if line is not None else _line_of(text, e.literal)
         where = path if at is None else f"{path}:{at}"

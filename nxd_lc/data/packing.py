@@ -32,6 +32,7 @@ import hashlib
 import logging
 import os
 import time
+import tokenize
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -253,9 +254,11 @@ class PackedDataset(torch.utils.data.Dataset):
         if self._array is None:
             try:
                 self._array = np.load(self._path, mmap_mode="r")
-            except (ValueError, OSError, EOFError) as e:
-                raise ValueError(f"packed-sample cache {self._path} cannot be read ({e}): it is truncated or "
-                                 "damaged; delete it and it is rebuilt from the data at the next start") from e
+            except (ValueError, OSError, EOFError, SyntaxError, tokenize.TokenError) as e:
+                # numpy parses a damaged header with ast / tokenize: SyntaxError, tokenize.TokenError
+                raise ValueError(f"packed-sample cache {self._path} cannot be read ({type(e).__name__}: {e}): it is "
+                                 "truncated or damaged; delete it and it is rebuilt from the data at the next "
+                                 "start") from e
         return self._array
 
     def __getstate__(self) -> dict[str, Any]:

@@ -267,7 +267,47 @@ def check_tokenizer_files(directory: str, key: str) -> dict[str, Any]:
         path = os.path.join(directory, name)
         if os.path.isfile(path):
             read_text(path, key=key)
+    config = parsed.get("tokenizer_config.json")
+    if config is not None:
+        problem = _tokenizer_config_problem(config)
+        if problem:
+            raise ValueError(f"{key}: {os.path.join(directory, 'tokenizer_config.json')}: {problem}; the file is "
+                             "damaged or not a transformers tokenizer config: fix it or copy it again")
     return parsed
+
+
+_SPECIAL_TOKEN_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token")
+
+
+def _token_entry_problem(value: Any) -> bool:
+    """True unless ``value`` is how transformers stores a special token: a string, or an object with a string
+    ``content`` (an AddedToken)."""
+    return not (isinstance(value, str) or (isinstance(value, dict) and isinstance(value.get("content"), str)))
+
+
+def _tokenizer_config_problem(config: Any) -> str | None:
+    """The first field of a parsed ``tokenizer_config.json`` whose type transformers cannot use (it fails later
+    with a TypeError / AttributeError that names no file), else None."""
+    if not isinstance(config, dict):
+        return f"the top level is {type(config).__name__}, not an object"
+    for k in _SPECIAL_TOKEN_KEYS:
+        if config.get(k) is not None and _token_entry_problem(config[k]):
+            return f"{k!r} must be a string or an object with a string 'content', got {config[k]!r:.60}"
+    extra = config.get("additional_special_tokens")
+    if extra is not None and (not isinstance(extra, list) or any(_token_entry_problem(t) for t in extra)):
+        return "'additional_special_tokens' must be a list of strings / objects with a string 'content'"
+    length = config.get("model_max_length")
+    if length is not None and (isinstance(length, bool) or not isinstance(length, (int, float)) or length <= 0):
+        return f"'model_max_length' must be a positive number, got {length!r:.60}"
+    decoder = config.get("added_tokens_decoder")
+    if decoder is not None and (not isinstance(decoder, dict)
+                                or any(not isinstance(v, dict) or not isinstance(v.get("content"), str)
+                                       for v in decoder.values())):
+        return "'added_tokens_decoder' must map ids to objects with a string 'content'"
+    for k in ("tokenizer_class", "chat_template", "padding_side", "truncation_side"):
+        if config.get(k) is not None and not isinstance(config[k], (str, list) if k == "chat_template" else str):
+            return f"{k!r} must be a string, got {config[k]!r:.60}"
+    return None
 
 
 def refuse_remote_code(directory: str, key: str, parsed: dict[str, Any] | None = None) -> None:
@@ -301,13 +341,17 @@ def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
               require_fast: bool = True) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
-    refuse_remote_code(directory, "data.tokenizer.type", check_tokenizer_files(directory, "data.tokenizer.type"))
+    parsed = check_tokenizer_files(directory, "data.tokenizer.type")
+    refuse_remote_code(directory, "data.tokenizer.type", parsed)
     try:
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast,
                                             trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a file it cannot parse
-        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: "
-                         f"{type(e).__name__}: {e}") from e
+        files = [os.path.join(directory, n) for n in (*parsed, *_TEXT_FILES)
+                 if os.path.isfile(os.path.join(directory, n))]
+        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: one of its files "
+                         f"({', '.join(files) or 'none of the known tokenizer files'}) holds what transformers "
+                         f"cannot use ({type(e).__name__}: {e}); copy the tokenizer files again") from e
     if require_fast and not getattr(tok, "is_fast", False):
         hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
         raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "

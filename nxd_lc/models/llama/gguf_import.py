@@ -418,13 +418,21 @@ def _write_conversion(tmp: Path, gguf_path: Path, num_layers: int | None, dtype:
     """Write the whole HF directory into ``tmp`` (created here); the marker file last."""
     start = time.perf_counter()
     reader = _read_gguf(gguf_path)
-    config = gguf_llama_config(reader, num_layers)
-    state = gguf_llama_state_dict(reader, config, dtype)
+    try:
+        config = gguf_llama_config(reader, num_layers)
+        state = gguf_llama_state_dict(reader, config, dtype)
+    except Exception as e:  # noqa: BLE001 - metadata of a damaged file: ValueError, ZeroDivisionError, transformers'
+        raise ValueError(f"GGUF file {gguf_path}: {type(e).__name__}: {e}; the file is damaged or not a plain "
+                         "llama GGUF: download or convert it again") from e
     tmp.mkdir(parents=True)
     save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
     setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", dtype)
     config.save_pretrained(str(tmp))
-    _save_tokenizer(gguf_path, tmp, config)
+    try:
+        _save_tokenizer(gguf_path, tmp, config)
+    except Exception as e:  # noqa: BLE001 - transformers' GGUF tokenizer reader: KeyError, ValueError, TypeError ...
+        raise ValueError(f"GGUF file {gguf_path}: its tokenizer cannot be converted ({type(e).__name__}: "
+                         f"{str(e)[:200]}); the file is damaged or its tokenizer is not supported") from e
     marker = {"fingerprint": fingerprint, "source_path": str(gguf_path),
               "num_parameters": sum(t.numel() for t in state.values()),
               "seconds": round(time.perf_counter() - start, 2)}

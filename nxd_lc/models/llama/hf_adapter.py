@@ -200,7 +200,11 @@ class SafetensorsCheckpoint:
         file = self.weight_map[name]
         if file not in self._handles:
             self._handles[file] = self._stack.enter_context(_open(file))
-        return self._handles[file].get_slice(name)
+        try:
+            return self._handles[file].get_slice(name)
+        except SafetensorError as e:  # the index names a file that does not hold the tensor
+            raise ValueError(f"safetensors file {file}: tensor {name!r} cannot be read ({e}); the checkpoint or "
+                             f"its {INDEX_FILE} is damaged: download or save it again") from e
 
     def shape(self, name: str) -> tuple[int, ...]:
         """Full shape of tensor ``name`` (read from the header only)."""
@@ -256,12 +260,12 @@ def _index_weight_map(index: Path) -> dict[str, Path]:
     files: dict[str, Path] = {}
     checked: dict[str, Path] = {}
     for name, fname in weight_map.items():
-        if fname in checked:
+        if isinstance(fname, str) and fname in checked:  # a list / object is unhashable: refused below
             files[name] = checked[fname]
             continue
         entry = f"{index}: weight_map entry {name!r} -> {fname!r}"
-        if not isinstance(fname, str) or not fname or os.path.isabs(fname):
-            raise ValueError(f"{entry}: the file must be a name relative to {root}")
+        if not isinstance(fname, str) or not fname or os.path.isabs(fname) or not fname.isprintable():
+            raise ValueError(f"{entry}: the file must be a name relative to {root} (printable text)")
         target = root / fname
         if not target.resolve().is_relative_to(real_root):
             raise ValueError(f"{entry} leads outside the model directory {root} (to {target.resolve()}); an index "
