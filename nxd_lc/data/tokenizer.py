@@ -356,9 +356,16 @@ def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
         hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
         raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "
                          f"tokenized with a fast (tokenizer.json) tokenizer{hint}")
+    vocab = tok.get_vocab()
+    top = max(vocab.values(), default=-1)
+    if top >= len(tok) or len(set(vocab.values())) != len(vocab):  # ids must be 0..N-1, each once
+        files = ", ".join(os.path.join(directory, n) for n in parsed) or directory
+        raise ValueError(f"data.tokenizer.type: the tokenizer in {directory} ({files}) gives token ids up to {top} "
+                         f"for {len(tok)} tokens: its vocabulary repeats or skips ids, so ids would fall outside "
+                         "the embedding; the tokenizer files are damaged: copy them again")
     if tok.eos_token_id is None:
         raise ValueError(f"data.tokenizer.type: tokenizer {kind!r} has no eos token; packing separates "
-                         "documents with it; set eos_token in its tokenizer_config.json")
+                         f"documents with it; set eos_token in {os.path.join(directory, 'tokenizer_config.json')}")
     return tok
 
 

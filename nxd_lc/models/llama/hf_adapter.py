@@ -51,6 +51,7 @@ from safetensors.torch import save_file
 from torch import nn
 from typing_extensions import Self
 
+from nxd_lc.config.input_files import parse_json
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.gather import gather_pipeline_stages
 from nxd_lc.layers import GQAQKVColumnParallelLinear, gather_full_parameter
@@ -140,7 +141,7 @@ def check_safetensors_header(file: str | Path) -> None:
                              f"the length field (limit {_MAX_HEADER_BYTES}){fix}")
         raw = f.read(n)
     try:
-        header = json.loads(raw.decode("utf-8"))
+        header = parse_json(raw.decode("utf-8"), str(file))  # no NaN / inf / over-long numbers / deep nesting
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise ValueError(f"safetensors file {file}: its header is not UTF-8 JSON ({type(e).__name__}: "
                          f"{str(e)[:120]}){fix}") from None
@@ -249,7 +250,7 @@ def _index_weight_map(index: Path) -> dict[str, Path]:
     """
     root = index.parent
     try:
-        weight_map = json.loads(index.read_bytes().decode("utf-8"))["weight_map"]
+        weight_map = parse_json(index.read_bytes().decode("utf-8"), str(index))["weight_map"]
     except (UnicodeDecodeError, ValueError, RecursionError, KeyError, TypeError) as e:
         raise ValueError(f"{index}: not a valid safetensors index (needs UTF-8 JSON with a 'weight_map' object): "
                          f"{type(e).__name__}: {str(e)[:120]}") from None
