@@ -297,7 +297,7 @@ _B = {"dtype": "F32", "shape": [2, 2], "data_offsets": [16, 32]}
     ("header length beyond the file", {"length": 1 << 40}, r"header length 1099511627776 bytes, but the file holds"),
     ("not JSON", {"header": b"{not json" + b" " * 60}, r"its header is not UTF-8 JSON"),
     ("not UTF-8", {"header": b"\xff\xfe{}"}, r"its header is not UTF-8 JSON \(UnicodeDecodeError"),
-    ("deep nesting", {"header": b"[" * 100_000 + b"]" * 100_000}, r"its header is not UTF-8 JSON \(RecursionError"),
+    ("deep nesting", {"header": b"[" * 100_000 + b"]" * 100_000}, r"its header is not UTF-8 JSON \(ValueError: .*nested deeper"),
     ("a list", {"header": [1, 2]}, r"its header is a JSON list, not an object"),
     ("offsets beyond", {"header": {"a": {**_A, "data_offsets": [16, 48]}, "b": _B}},
      r"tensor 'a' lies at bytes \[16, 48\), outside the 32 data bytes"),
