@@ -259,6 +259,13 @@ class PackedDataset(torch.utils.data.Dataset):
                 raise ValueError(f"packed-sample cache {self._path} cannot be read ({type(e).__name__}: {e}): it is "
                                  "truncated or damaged; delete it and it is rebuilt from the data at the next "
                                  "start") from e
+            arr = self._array
+            size = os.path.getsize(self._path)
+            if isinstance(arr, np.memmap) and arr.offset + arr.nbytes != size:  # bytes after the array: not ours
+                self._array = None
+                raise ValueError(f"packed-sample cache {self._path} holds {size} bytes, but its header describes "
+                                 f"{arr.offset + arr.nbytes} ({arr.shape} {arr.dtype}): it is damaged or was "
+                                 "appended to; delete it and it is rebuilt from the data at the next start")
         return self._array
 
     def __getstate__(self) -> dict[str, Any]:

@@ -224,6 +224,7 @@ def build_llama_config(model_config_path: str, overrides: dict[str, Any] | None 
             f"({config.max_position_embeddings}); set model.max_position_embeddings >= {seq}"
         )
     if config.hidden_act != "silu":
-        raise ValueError(f"model.model_config: hidden_act={config.hidden_act!r} is not supported (Llama uses 'silu')")
+        raise ValueError(f"model.model_config: {model_config_path}: hidden_act={config.hidden_act!r} is not supported "
+                         "(Llama uses 'silu')")
     rope_spec_from_config(config, key)  # fail now on an unsupported rope_scaling
     return config

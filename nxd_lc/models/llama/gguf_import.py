@@ -120,6 +120,9 @@ def gguf_llama_config(reader: Any, num_layers: int | None = None) -> LlamaConfig
     if arch != "llama":
         raise ValueError(f"GGUF general.architecture is {arch!r}; only 'llama' files can be converted")
     blocks = int(_field(reader, "llama.block_count"))
+    if not 1 <= blocks <= len(reader.tensors):  # every block has tensors of its own (9 for llama)
+        raise ValueError(f"GGUF llama.block_count={blocks} does not fit the file's {len(reader.tensors)} tensors; "
+                         "the metadata is damaged")
     if num_layers is not None and not 1 <= num_layers <= blocks:
         raise ValueError(f"num_layers={num_layers} must be in 1..{blocks} (the file's llama.block_count)")
     hidden, heads = int(_field(reader, "llama.embedding_length")), int(_field(reader, "llama.attention.head_count"))
