@@ -10,6 +10,7 @@ with their values before the step, bit for bit, and with an independent run that
 from __future__ import annotations
 
 import math
+import os
 import shutil
 import sysconfig
 from pathlib import Path
@@ -194,7 +195,7 @@ def test_a_job_with_a_nan_step_exits_with_the_error_and_keeps_the_last_finite_ch
     from hydra import compose, initialize_config_dir
 
     import nxd_lc.lightning.trainer as trainer_module
-    from nxd_lc.app.run import run
+    from nxd_lc.app.run import _shutdown_distributed, run
     from nxd_lc.checkpoint import sharded
 
     class PoisonStep3(pl.Callback):
@@ -234,11 +235,17 @@ def test_a_job_with_a_nan_step_exits_with_the_error_and_keeps_the_last_finite_ch
         return trainer
 
     trainer_module.build_trainer = build_with_poison
+    saved = dict(os.environ)  # the run sets its environment table and starts torch.distributed in this process
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        os.environ.pop(key, None)
     try:
         with pytest.raises(NonFiniteTrainingError, match="optimizer step 3"):
             run(raw)
     finally:
         trainer_module.build_trainer = build
+        _shutdown_distributed()
+        os.environ.clear()
+        os.environ.update(saved)
     root = run_dir / "checkpoints"
     tags = sharded.list_checkpoints(str(root))
     assert [t.split("--")[1].split("-")[0] for t in tags] == ["step=1", "step=2"], tags

@@ -9,9 +9,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from transformers import LlamaConfig, MistralConfig, MixtralConfig, PretrainedConfig, Qwen2Config, Qwen3Config
+from transformers import PretrainedConfig
 
 from nxd_lc.models.common.rope import raise_on_problems, rope_scaling_problems, rope_spec_from_config
+from nxd_lc.models.config_classes import CONFIG_CLASSES
 from nxd_lc.models.config_json import read_config_json
 
 __all__ = ["CONFIG_CLASSES", "build_llama_config"]
@@ -27,11 +28,6 @@ _OVERRIDES = {
 }
 
 
-#: config.json ``model_type`` -> the transformers config class it is read into (the decoder families of
-#: :mod:`nxd_lc.models.common.family`; Mixtral swaps the MLP for mixture-of-experts blocks).
-CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {"llama": LlamaConfig, "mistral": MistralConfig,
-                                                     "mixtral": MixtralConfig, "qwen2": Qwen2Config,
-                                                     "qwen3": Qwen3Config}
 
 
 def _read_config_json(path: Path) -> dict[str, Any]:

@@ -198,7 +198,7 @@ def build_megatron_config(m: ModelConfig, vocab_size: int) -> PretrainedConfig:
     Raises:
         ValueError: every problem of :func:`megatron_problems`, joined.
     """
-    from nxd_lc.models.hf_config import CONFIG_CLASSES
+    from nxd_lc.models.config_classes import CONFIG_CLASSES
 
     problems = megatron_problems(m, "megatron")
     if problems:
