@@ -139,3 +139,38 @@ def test_cuda_matches_bounds() -> None:
     out = stochastic_round_to_bf16(x, g).float()
     assert set(out.unique().tolist()) == {1.0, 1.0 + 2.0**-7}
     assert abs(out.mean().item() - x[0].item()) < 5 * 2.0**-7 * math.sqrt(0.1875 / 100_000)
+
+
+@pytest.mark.xla
+def test_xla_rounds_in_the_graph_without_a_host_round_trip() -> None:
+    """On XLA the bit cast is XLA's BitcastConvert (``Tensor.view(dtype)`` is a CPU fallback there: the tensor
+    went to the host and back, 3 transfers per rounded tensor, on every optimizer step of bf16SR): no fallback,
+    no transfer; the bits equal the CPU view; samples are the two bf16 neighbours, unbiased; specials kept."""
+    pytest.importorskip("torch_xla")
+    import torch_xla.debug.metrics as met
+
+    from nxd_lc.runtime import xla as xla_runtime
+
+    device = xla_runtime.xla_device()
+    x_cpu = _neighbours(1.0, 2.0**-7, torch.linspace(0.05, 0.95, 19), -1.0)
+    n = 4000
+    specials = torch.tensor([0.0, -0.0, 1.0, float("inf"), float("-inf"), float("nan"), 2.0**-133])
+    x = x_cpu[:, None].expand(-1, n).contiguous().to(device)
+    s = specials[:, None].expand(-1, 8).contiguous().to(device)
+    xla_runtime.sync()
+    met.clear_all()
+    bits = xla_runtime.bitcast_float32_int32(x)
+    samples, special_out = stochastic_round_to_bf16(x), stochastic_round_to_bf16(s)
+    xla_runtime.sync()
+    assert [k for k in met.counter_names() if k.startswith("aten::")] == []  # no CPU fallback op
+    assert met.metric_data("TransferFromDeviceTime") is None  # nothing read back by the rounding itself
+    assert torch.equal(bits.cpu(), x.cpu().view(torch.int32))
+    out = samples.cpu().float()
+    lo, hi = -1.0, -(1.0 + 2.0**-7)
+    assert bool(((out == lo) | (out == hi)).all()), "sample outside the bf16 neighbours"
+    p = (x_cpu.double() - lo) / (hi - lo)
+    stderr = abs(hi - lo) * torch.sqrt(p * (1 - p) / n)
+    assert bool(((out.double().mean(dim=1) - x_cpu.double()).abs() < 5 * stderr).all())
+    got = special_out.cpu().float()
+    assert torch.equal(got[[0, 1, 2, 3, 4, 6]], s.cpu()[[0, 1, 2, 3, 4, 6]]) and bool(got[5].isnan().all())
+    assert bool(torch.signbit(got[1]).all())

@@ -36,6 +36,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from nxd_lc.runtime.xla import bitcast_float32_int32
+
 __all__ = ["stochastic_round_to_bf16", "sr_add_"]
 
 _LOW_BITS = 16
@@ -77,12 +79,14 @@ def stochastic_round_to_bf16(x: Tensor, generator: torch.Generator | None = None
             "cast with x.float() first"
         )
     _check_generator(generator, x.device)
-    bits = x.contiguous().view(torch.int32)
+    on_xla = x.device.type == "xla"  # Tensor.view(dtype) is a host round trip there: XLA's bit cast instead
+    bits = bitcast_float32_int32(x) if on_xla else x.contiguous().view(torch.int32)
     noise = torch.randint(
         0, 1 << _LOW_BITS, bits.shape, dtype=torch.int32, device=x.device, generator=generator
     )
     # The low 16 bits are zero after masking, so the fp32 -> bf16 cast below is exact.
-    rounded = ((bits + noise) & _HIGH_MASK).view(torch.float32)
+    masked = (bits + noise) & _HIGH_MASK
+    rounded = bitcast_float32_int32(masked, to_int=False) if on_xla else masked.view(torch.float32)
     rounded = torch.where(torch.isnan(x), x, rounded)
     return rounded.to(torch.bfloat16)
 

@@ -155,3 +155,34 @@ def graph_stats() -> GraphStats:
     return GraphStats(compiles=_metric_count(met, "CompileTime"), executions=_metric_count(met, "ExecuteTime"),
                       transfers_from_device=_metric_count(met, "TransferFromDeviceTime"),
                       cached_compiles=int(met.counter_value("CachedCompile") or 0))
+
+
+@functools.lru_cache(maxsize=1)
+def _bitcast_ops() -> tuple[object, object]:
+    """The two XLA bit-cast operations (float32 <-> int32), registered once with ``xla_op_registry``."""
+    require_torch_xla("bit casts")
+    import torch_xla.core.xla_builder as xb
+    import torch_xla.core.xla_op_registry as xor
+
+    return (xor.register("nxd_lc_f32_to_i32_bits", lambda x: x.bitcast(xb.Type.S32)),
+            xor.register("nxd_lc_i32_bits_to_f32", lambda x: x.bitcast(xb.Type.F32)))
+
+
+def bitcast_float32_int32(x: torch.Tensor, to_int: bool = True) -> torch.Tensor:
+    """Reinterpret the bits of an XLA tensor: float32 -> int32 (``to_int``) or int32 -> float32, same shape.
+
+    ``Tensor.view(dtype)`` has no XLA lowering in torch-xla 2.9: it runs as a CPU fallback
+    (``aten::view_copy.dtype``: the tensor goes to the host and back, 3 transfers, and the step waits for the
+    device). This is XLA's ``BitcastConvert`` as a user computation (``torch_xla.core.xla_op_registry``): part of
+    the graph, nothing read back.
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+        ValueError: ``x`` is not float32 (``to_int``) / int32 (not ``to_int``).
+    """
+    want = torch.float32 if to_int else torch.int32
+    if x.dtype != want:
+        raise ValueError(f"bitcast_float32_int32: expected a {want} tensor, got {x.dtype}")
+    to_i32, to_f32 = _bitcast_ops()
+    return to_i32(x) if to_int else to_f32(x)  # type: ignore[operator]
+
