@@ -256,13 +256,10 @@ def test_a_job_with_a_nan_step_exits_with_the_error_and_keeps_the_last_finite_ch
 
 
 # ---- lane 2: the in-graph path on an XLA device ------------------------------------------------------------------
-@pytest.mark.xla
-@pytest.mark.parametrize("mode,zero1", [("fp32", False), ("mixed_precision", True), ("bf16SR", False)])
-def test_xla_decides_in_the_graph_without_reading_the_host(mode: str, zero1: bool) -> None:
-    """On XLA: ordinary steps transfer nothing to the host (the decision is in the step's graph); a NaN step
-    leaves every parameter, master weight and device state tensor as it was; after the limit (1) no later update
-    is applied either, and the next read (:meth:`check`, a logging / checkpoint step) raises naming the step."""
-    pytest.importorskip("torch_xla")
+def xla_scenario(mode: str, zero1: bool) -> None:
+    """The body of :func:`test_xla_decides_in_the_graph_without_reading_the_host`, run in a fresh process (in a
+    pytest worker that already ran a CPU backward, autograd's engine has no ready queue for the XLA device and
+    the backward fails with an internal assert)."""
     from nxd_lc.layers.param_attrs import move_module
     from nxd_lc.runtime import xla as xla_runtime
 
@@ -294,3 +291,22 @@ def test_xla_decides_in_the_graph_without_reading_the_host(mode: str, zero1: boo
     _assert_same(host_state(), good)
     with pytest.raises(NonFiniteTrainingError, match="optimizer step 5 "):
         guard.check()
+
+
+@pytest.mark.xla
+@pytest.mark.parametrize("mode,zero1", [("fp32", False), ("mixed_precision", True), ("bf16SR", False)])
+def test_xla_decides_in_the_graph_without_reading_the_host(mode: str, zero1: bool) -> None:
+    """On XLA: ordinary steps transfer nothing to the host (the decision is in the step's graph); a NaN step
+    leaves every parameter, master weight and device state tensor as it was; after the limit (1) no later update
+    is applied either, and the next read (:meth:`check`, a logging / checkpoint step) raises naming the step."""
+    pytest.importorskip("torch_xla")
+    import subprocess
+    import sys
+
+    tests = str(Path(__file__).resolve().parent)
+    code = (f"import sys; sys.path.insert(0, {tests!r}); import test_nonfinite_step as t; "
+            f"t.xla_scenario({mode!r}, {zero1})")
+    env = {**os.environ, "PJRT_DEVICE": "CPU", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], cwd=str(Path(tests).parent), env=env, capture_output=True,
+                          text=True, timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
