@@ -337,6 +337,13 @@ def refuse_remote_code(directory: str, key: str, parsed: dict[str, Any] | None =
                              "tokenizer / model of a built-in type (a fast tokenizer.json)")
 
 
+def _present_files(directory: str, parsed: dict[str, Any]) -> str:
+    """The tokenizer files of ``directory`` transformers reads (the JSON files :func:`check_tokenizer_files` read,
+    and the text files present), comma-separated paths, for an error that cannot tell which one is at fault."""
+    names = [*parsed, *(n for n in _TEXT_FILES if os.path.isfile(os.path.join(directory, n)))]
+    return ", ".join(os.path.join(directory, n) for n in names)
+
+
 def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
               require_fast: bool = True) -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
@@ -347,10 +354,9 @@ def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast,
                                             trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a file it cannot parse
-        files = [os.path.join(directory, n) for n in (*parsed, *_TEXT_FILES)
-                 if os.path.isfile(os.path.join(directory, n))]
+        files = _present_files(directory, parsed) or "none of the known tokenizer files"
         raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: one of its files "
-                         f"({', '.join(files) or 'none of the known tokenizer files'}) holds what transformers "
+                         f"({files}) holds what transformers "
                          f"cannot use ({type(e).__name__}: {e}); copy the tokenizer files again") from e
     if require_fast and not getattr(tok, "is_fast", False):
         hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
@@ -359,7 +365,7 @@ def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
     vocab = tok.get_vocab()
     top = max(vocab.values(), default=-1)
     if top >= len(tok) or len(set(vocab.values())) != len(vocab):  # ids must be 0..N-1, each once
-        files = ", ".join(os.path.join(directory, n) for n in parsed) or directory
+        files = _present_files(directory, parsed) or directory
         raise ValueError(f"data.tokenizer.type: the tokenizer in {directory} ({files}) gives token ids up to {top} "
                          f"for {len(tok)} tokens: its vocabulary repeats or skips ids, so ids would fall outside "
                          "the embedding; the tokenizer files are damaged: copy them again")
