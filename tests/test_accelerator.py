@@ -117,11 +117,11 @@ def _ring_raw(accelerator: str) -> dict[str, Any]:
             "model": {"model_config": TINY_JSON, "encoder_seq_length": 64}}
 
 
-def test_ring_context_parallelism_follows_the_neuron_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Ring CP needs send/recv: rejected for the torch-xla based neuron, accepted on the native (eager) device."""
+def test_ring_context_parallelism_on_either_neuron_resolution(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ring CP is accepted for the torch-xla based neuron (collective permute) and on the native (eager) device."""
     _host(monkeypatch, torch_version=(2, 9), neuronx_imports=True, accelerator_type=None, xla_neuron=True)
-    with pytest.raises(ConfigError, match="trainer.accelerator neuron"):
-        load_config(_ring_raw("neuron"), world_size=None, check_paths=False)
+    assert load_config(_ring_raw("neuron"), world_size=None,
+                       check_paths=False).distributed_strategy.context_parallel_algo == "ring"
     accel.native_neuron_available.cache_clear()
     _host(monkeypatch, torch_version=(2, 13), neuronx_imports=True, accelerator_type="neuron", xla_neuron=False)
     cfg = load_config(_ring_raw("neuron"), world_size=None, check_paths=False)

@@ -56,3 +56,38 @@ def test_training_job_tp2_sp_resumes_equal_to_uninterrupted_and_to_one_device(tm
         for step in ("3", "4"):
             assert r1["steps"][step] == pytest.approx(r["steps"][step], abs=1e-6, rel=0), step
         assert r1["weights"] == pytest.approx(r["weights"], rel=1e-6, abs=0)
+
+
+PP2 = ["model.num_layers=2", "distributed_strategy.pipeline_model_parallel_size=2"] + TP1
+
+
+def test_training_job_pp2_matches_one_device(tmp_path) -> None:  # noqa: ANN001
+    """The job through ``train.py``'s path with pipeline parallelism on torch-xla: PP = 2 on 2 XLA devices (the
+    lockstep schedule, 2 micro-batches per step), 2 steps with validation and an xser checkpoint at step 2, equal to
+    the same 2-layer job on one XLA device (losses, gradient norms, validation loss), with no divergent graph in any
+    stage and a complete checkpoint holding both stages' shards."""
+    from pathlib import Path
+
+    from test_xla_graphs import _corpus
+
+    corpus = _corpus(str(tmp_path / "corpus"), limit=60)
+    tok = str(tmp_path / "tok")
+
+    def job(name: str, devices: int, overrides: list[str]) -> list[dict]:
+        kwargs = {"run_dir": str(tmp_path / name), "corpus": corpus, "tokenizer_dir": tok, "max_steps": 2,
+                  "overrides": overrides}
+        return run_on_xla_devices("xla_scenarios:run_job", devices, kwargs, timeout_s=600, wait_timeout_s=120).results
+
+    (one,) = job("one_device", 1, ["model.num_layers=2"] + TP1)
+    pipeline = job("pp2", 2, PP2)
+    assert sorted(one["steps"]) == ["1", "2"] and sorted(one["vals"]) == ["2"], one
+    for r in pipeline:
+        assert r["global_step"] == 2
+        for step in ("1", "2"):
+            assert r["steps"][step]["loss"] == pytest.approx(one["steps"][step]["loss"], abs=TOL, rel=0), step
+            assert r["steps"][step]["norm"] == pytest.approx(one["steps"][step]["norm"], abs=TOL, rel=0), step
+        assert r["vals"]["2"] == pytest.approx(one["vals"]["2"], abs=TOL, rel=0)
+    (ckpt,) = [p for p in Path(tmp_path, "pp2", "run", "checkpoints").iterdir() if "step=2" in p.name]
+    assert (ckpt / "done").is_file(), sorted(p.name for p in ckpt.iterdir())
+    shards = sorted(p.name for p in (ckpt / "model").iterdir() if p.suffix == ".pt")
+    assert shards == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_01.pt"], shards

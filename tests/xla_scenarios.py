@@ -25,10 +25,10 @@ MICRO_BATCHES = 2
 _BUILD_LOCK = threading.Lock()  # model construction draws from the process-global CPU generator: one at a time
 
 
-def _llama_config() -> Any:
+def _llama_config(layers: int = 2) -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=layers,
                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                        rms_norm_eps=1e-5)
 
@@ -49,7 +49,8 @@ def _mixtral_config() -> Any:
 
 
 def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp: int = 1, algo: str = "ulysses",
-          zero1: bool = False, steps: int = 3, move: str = "nxd", ep: int = 1, model: str = "llama") -> dict[str, Any]:
+          zero1: bool = False, steps: int = 3, move: str = "nxd", ep: int = 1, model: str = "llama", pp: int = 1,
+          vpp: int = 1, layers: int = 2) -> dict[str, Any]:
     """``steps`` optimizer steps of :data:`MICRO_BATCHES` micro-batches each; returns the DP-averaged loss
     and the global gradient norm of every step (read after the step's cut), a digest of the norm weights'
     bytes (to compare between TP ranks) and whether every parameter kept its parallel attributes
@@ -60,7 +61,9 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
     because that loss is per rank's tokens by definition (Megatron / NxD) and differs from one device's over the
     union; ``ep``: the experts split over that many DP ranks). ``move``: ``'nxd'`` moves the module with
     :func:`nxd_lc.layers.param_attrs.move_module` (production), ``'plain'`` with ``module.to(device)`` (what
-    loses the attributes on XLA).
+    loses the attributes on XLA). ``pp`` / ``vpp``: pipeline parallelism (``vpp`` virtual stages per rank) over
+    a ``layers``-layer Llama; the step's micro-batches then go through the pipeline schedule in one
+    ``training_step`` (the lockstep schedule of :mod:`nxd_lc.pipeline.lockstep` on XLA).
     """
     import torch
     import torch_xla
@@ -81,8 +84,14 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
     cfg.trainer.gradient_clip_val = 0.5
     cfg.exp_manager.log_gradient_norm = True
     ds.expert_model_parallel_size = ep
+    ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size = pp, vpp
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, context_parallel_size=cp, kv_replicator=kv,
-                                 expert_model_parallel_size=ep)
+                                 expert_model_parallel_size=ep, pipeline_model_parallel_size=pp)
+    part: dict[str, Any] = {}
+    if pp > 1:
+        from nxd_lc.pipeline import rank_model_part
+
+        part = rank_model_part(layers, pp, ps.get_pipeline_model_parallel_rank(), vpp)
     if cp > 1:
         set_context_parallel_algo(algo)
     device = torch_xla.device()
@@ -95,7 +104,10 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
             built = MixtralForCausalLM(_mixtral_config(), moe=MoEOptions(capacity_factor=4.0, dropless=False),
                                        sequence_parallel=sp)
         else:
-            built = LlamaForCausalLM(_llama_config(), sequence_parallel=sp, kv_replicator=kv)
+            built = LlamaForCausalLM(_llama_config(layers), sequence_parallel=sp, kv_replicator=kv, **part)
+    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
+    rows = GLOBAL_MICRO_ROWS // dp
+    cfg.data.micro_batch_size = rows  # one pipeline micro-batch
     module = NxDLanguageModel(cfg, built)
     before = _param_attrs(module.model)
     if move == "nxd":
@@ -104,16 +116,20 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
         module = module.to(device)
     attrs_kept = _param_attrs(module.model) == before
     opt = module.configure_optimizers()["optimizer"]
-    dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
-    rows = GLOBAL_MICRO_ROWS // dp
     losses, norms = [], []
     for step in range(steps):
         opt.zero_grad()
         step_loss = torch.zeros(1, device=device)
+        micro_ids = []
         for micro in range(MICRO_BATCHES):
             gen = torch.Generator().manual_seed(1000 * step + micro)
             ids = torch.randint(0, VOCAB, (GLOBAL_MICRO_ROWS, SEQ + 1), generator=gen)
-            ids = ids[dp_rank * rows:(dp_rank + 1) * rows]
+            micro_ids.append(ids[dp_rank * rows:(dp_rank + 1) * rows])
+        if pp > 1:  # the whole step in one training_step: the schedule runs every micro-batch's backward
+            ids = torch.cat(micro_ids)
+            batch = {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
+            step_loss = step_loss + module.training_step(batch, 0).detach()
+        for micro, ids in enumerate(micro_ids if pp == 1 else []):
             batch = {"input_ids": ids[:, :-1].to(device), "labels": ids[:, 1:].to(device)}
             loss = module.training_step(batch, micro)
             (loss / MICRO_BATCHES).backward()
@@ -128,7 +144,25 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
     norm_weights = {n: hashlib.sha1(p.detach().cpu().numpy().tobytes()).hexdigest()
                     for n, p in module.model.named_parameters() if n.endswith("norm.weight")}
     return {"losses": losses, "norms": norms, "attrs_kept": attrs_kept, "norm_weights": norm_weights,
-            "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": dp_rank}
+            "tp_rank": ps.get_tensor_model_parallel_rank(), "dp_rank": dp_rank,
+            "pp_rank": ps.get_pipeline_model_parallel_rank(), "grads": _grad_digest(module.model)}
+
+
+def _grad_digest(model: Any) -> dict[str, list[float]]:
+    """Per parameter of this rank (name as in the full model), the sum and the sum of squares of its last step's
+    gradient: to compare gradients between layouts that hold the same full (TP = 1) tensors."""
+    import torch
+
+    grads = {}
+    for name, p in model.named_parameters():
+        g = getattr(p, "main_grad", None)
+        g = p.grad if g is None else g
+        if g is not None:
+            grads[name] = g
+    # one read of all of them (the stages hold different numbers of parameters: reads one by one would take
+    # different numbers of graph cuts on different ranks)
+    host = torch.cat([g.reshape(-1).float() for g in grads.values()]).cpu().split([g.numel() for g in grads.values()])
+    return {name: [float(h.sum()), float(h.pow(2).sum())] for name, h in zip(grads, host)}
 
 
 def barrier_late_rank(rank: int, world: int, delay_s: float = 2.0) -> dict[str, float]:
@@ -219,7 +253,7 @@ def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str
     base = [
         "trainer.accelerator=xla", f"trainer.devices={world}", f"trainer.max_steps={max_steps}",
         "trainer.log_every_n_steps=1", "+trainer.enable_progress_bar=false", "+exp_manager.preemption_signals=[]",
-        "data.micro_batch_size=2", f"data.global_batch_size={2 * 2 * world // _tp(overrides)}",
+        "data.micro_batch_size=2", f"data.global_batch_size={2 * 2 * world // _model_parallel(overrides)}",
         "~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=*.py", "data.val_fraction=0.1",
         "data.tokenizer.vocab_size=300", f"+data.tokenizer.cache_dir={tokenizer_dir}",
         "trainer.val_check_interval=2", "trainer.limit_val_batches=2",
@@ -264,8 +298,12 @@ def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str
 _THREAD = threading.local()
 
 
-def _tp(overrides: list[str]) -> int:
+def _model_parallel(overrides: list[str]) -> int:
+    """TP x PP of the overrides: DP = world / that, and the global batch is 2 micro-batches of 2 samples per DP
+    rank (4 samples with one DP rank, as on one device, so that the runs compare equal)."""
+    size = 1
     for o in overrides:
-        if o.startswith("distributed_strategy.tensor_model_parallel_size="):
-            return int(o.split("=")[1])
-    return 1
+        if o.startswith(("distributed_strategy.tensor_model_parallel_size=",
+                         "distributed_strategy.pipeline_model_parallel_size=")):
+            size *= int(o.split("=")[1])
+    return size

@@ -17,15 +17,20 @@ multi-device path can go wrong into a test failure that names the place, never a
   ``.numpy()``, ``float()``, ``int()``, ``bool()``, ``.to('cpu')``) takes an ordered cut first.
 * **Divergence**: if a cut compiles on a rank > 0 (torch-xla's ``CompileTime`` count grows during that rank's
   turn), that rank traced a different graph than rank 0: the run stops at once (before XLA's 10 s collective
-  abort) and the test fails naming the cut, the rank and the nxd_lc / test line that took the cut.
+  abort) and the test fails naming the cut, the rank and the nxd_lc / test line that took the cut. Under pipeline
+  parallelism the stages trace different graphs by design, so the rule holds per pipeline stage: a rank may
+  compile only if no lower rank of its stage (same pipeline rank, from nxd_lc's parallel state) took the cut.
+  Collectives between stages are isolated in graphs of their own, which every rank finds in the cache; were such
+  a graph different on two stages, XLA's own abort ends the run (a failed run, with less detail).
 * **Hangs**: a rank that waits longer than ``wait_timeout_s`` at a cut fails the run naming the cut, where it was
   taken, and which ranks had arrived.
 * Per-thread ranks where libraries keep them process-wide: torchrun's ``RANK`` / ``WORLD_SIZE`` / ... in
   ``os.environ`` and Lightning's ``rank_zero_only.rank``, so that ``train.py``'s code path (``nxd_lc.app.run``,
   the Lightning Trainer) runs in each device thread as in one process per device.
 * ``xm.rendezvous`` (and through it ``xm.mesh_reduce``: a rank-dependent device graph by design) is replaced by a
-  host-side exchange between the threads; ``XLA_ENABLE_PARAM_ALIASING=0`` (an in-place parameter update with
-  aliasing made rank 0's sync wait for rank 1's collective).
+  host-side exchange between the threads, counted per rank (``rendezvous_calls``: in production each call is
+  device work and host reads that torch-xla's metrics here do not show); ``XLA_ENABLE_PARAM_ALIASING=0`` (an
+  in-place parameter update with aliasing made rank 0's sync wait for rank 1's collective).
 
 The test bed runs in a child process (``python tests/xla_testbed.py``), started by :func:`run_on_xla_devices`:
 torch-xla's device count is fixed at its first use, a divergence or a deadlock must not take the test process
@@ -85,7 +90,12 @@ def run_on_xla_devices(target: str, devices: int, kwargs: dict[str, Any] | None 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         env = {**os.environ, "PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(devices), "XLA_ENABLE_PARAM_ALIASING": "0",
-               "OMP_NUM_THREADS": "1", "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+               "OMP_NUM_THREADS": "1",
+               # torch-xla runs each graph execution on a thread of its pool, sized by default to the CPU cores (2
+               # here); an execution waiting in a collective holds its thread, so with more devices than threads the
+               # peers' executions never start (seen with 4 devices and 2-rank groups: pipeline stages)
+               "XLA_THREAD_POOL_SIZE": str(max(8, 4 * devices)),
+               "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
         cmd = [sys.executable, os.path.join(REPO, "tests", "xla_testbed.py"), "--target", target, "--devices",
                str(devices), "--out", out, "--wait-timeout-s", str(wait_timeout_s), "--kwargs",
                json.dumps(kwargs or {})]
@@ -120,10 +130,13 @@ class _Bed:
         self.cv = threading.Condition()
         self.arrived: dict[int, dict[int, str]] = defaultdict(dict)  # cut -> rank -> where
         self.done: dict[int, int] = defaultdict(int)  # cut -> ranks that cut it (in rank order)
+        self.keys: dict[int, dict[int, int]] = defaultdict(dict)  # cut -> rank -> pipeline stage (0 without PP)
         self.local = threading.local()
         self.cut_log: list[list[Any]] = []
         self.exchanges: dict[tuple[Any, ...], dict[int, Any]] = defaultdict(dict)
         self.exchange_seq: dict[tuple[int, Any], int] = defaultdict(int)
+        #: rank -> calls of the replaced ``xm.rendezvous`` (each is device work in production: see _install)
+        self.rendezvous_calls: dict[int, int] = defaultdict(int)
         self.finished = False
 
     # the report: written once; the process ends right after a failure (before XLA's collective abort)
@@ -168,8 +181,10 @@ class _Bed:
         self.local.cuts += 1
         where = self.where()
         deadline = time.monotonic() + self.wait_timeout_s
+        key = _stage_key(rank)
         with self.cv:
             self.arrived[k][rank] = where
+            self.keys[k][rank] = key
             self.cv.notify_all()
             while not (len(self.arrived[k]) == self.n and self.done[k] == rank):
                 left = deadline - time.monotonic()
@@ -198,10 +213,12 @@ class _Bed:
         compiled = _compiles() - before
         with self.cv:
             self.cut_log.append([k, rank, where, compiled])
-        if rank > 0 and compiled > 0:
-            self.fail(EXIT_DIVERGENCE, f"divergence at cut {k} ({what}): rank {rank} compiled {compiled} graph(s) that "
-                                       f"rank 0 did not (the ranks traced different graphs); the cut was taken at "
-                                       f"{where} (rank 0 took it at {self.arrived[k].get(0)})")
+        peers = [r for r, r_key in self.keys[k].items() if r < rank and r_key == key]
+        if peers and compiled > 0:
+            first = peers[0]
+            self.fail(EXIT_DIVERGENCE, f"divergence at cut {k} ({what}): rank {rank} compiled {compiled} graph(s) "
+                                       f"that rank {first} did not (the ranks traced different graphs); the cut was "
+                                       f"taken at {where} (rank {first} took it at {self.arrived[k].get(first)})")
         with self.cv:
             self.done[k] += 1
             self.cv.notify_all()
@@ -232,6 +249,17 @@ class _Bed:
 
 
 _BED: _Bed | None = None
+
+
+def _stage_key(rank: int) -> int:
+    """The pipeline rank of device thread ``rank`` from nxd_lc's (per-thread) parallel state; 0 without pipeline
+    parallelism or before the parallel state exists."""
+    from nxd_lc.distributed import parallel_state
+
+    state = getattr(parallel_state._STORE, "state", None)
+    if state is None or state.pp == 1:
+        return 0
+    return state.ranks["pp"].index(rank)
 
 
 def _compiles() -> int:
@@ -301,6 +329,10 @@ def _install(bed: _Bed) -> None:
     torch.Tensor.to = to
 
     def rendezvous(tag: str, payload: bytes = b"", replicas: list[int] | None = None) -> list[bytes]:
+        # counted: in production xm.rendezvous is a sync, two device all-gathers and host reads of their results
+        # (torch_xla.core.xla_model.xla_rendezvous), which this host exchange does not show in torch-xla's metrics
+        if bed.rank is not None:
+            bed.rendezvous_calls[bed.rank] += 1
         return bed.exchange(("rendezvous", tag), payload, replicas)
 
     xm.rendezvous = rendezvous  # xm.mesh_reduce serialises CPU copies and calls it: host-side as well
@@ -399,6 +431,8 @@ def _child(target: str, n: int, out: str, wait_timeout_s: float, kwargs: dict[st
     import torch.distributed as dist
 
     sys.path[:0] = [REPO, os.path.join(REPO, "tests")]
+    # this file runs as __main__: a scenario's `import xla_testbed` must find this module (current_bed), not a copy
+    sys.modules.setdefault("xla_testbed", sys.modules[__name__])
     module_name, fn_name = target.split(":")
     fn = getattr(importlib.import_module(module_name), fn_name)
     bed = _BED = _Bed(n, out, wait_timeout_s)

@@ -23,6 +23,12 @@ Backward recomputes the probabilities from the saved ``lse`` (``P = exp(Q K^T sc
 blocks go around the ring again, and their dK/dV accumulators travel with them and are sent one last hop
 back to the owner. Saved for backward: q, the local k/v/segment_ids, out and lse (fp32 ``[B, Hq, L]``).
 
+On XLA devices (torch-xla, Neuron) every rank must trace the same graph and the step must not read the device
+back: there the ring runs a rank-invariant formulation with the same FLOPs (the section "the rank-invariant ring"
+below): the K/V exchange is a collective permute (:func:`collectives.ring_exchange`), which block pairs meet is a
+device-side select on the CP rank, and segment ids are masked on the device without host bounds (no tile pair is
+skipped for lying in different documents).
+
 Memory is O(L): scores exist only per tile (``[B, Hq, T, T]`` fp32, ``T = tile_size``); nothing of shape
 ``[L, S]`` or ``[L, L]`` is built. All score/softmax arithmetic is fp32 whatever the input dtype.
 """
@@ -72,8 +78,8 @@ class _Segments:
     """Segment ids of one side (queries or a visiting K/V block) with per-tile, per-row min/max on the host."""
 
     ids: torch.Tensor  # [B, L] integer
-    lo: list[list[int]]  # lo[tile][b] = min segment id of row b in the tile
-    hi: list[list[int]]  # hi[tile][b] = max segment id of row b in the tile
+    lo: list[list[int]] | None  # lo[tile][b] = min segment id of row b in the tile; None: bounds not read
+    hi: list[list[int]] | None  # hi[tile][b] = max segment id of row b in the tile; None: bounds not read
 
 
 def _segments(seg: torch.Tensor | None, tiles: list[_Tile]) -> _Segments | None:
@@ -93,17 +99,19 @@ def _tile_mask(qi: int, ki: int, q_tiles: list[_Tile], k_tiles: list[_Tile], seg
 
     Decided on the host: skip when every key is after every query, or (document masking) when in every row the
     tiles share no segment (max key segment < min query segment or the reverse); no segment mask when every row
-    of both tiles is one and the same segment; no causal mask when every key precedes every query.
+    of both tiles is one and the same segment; no causal mask when every key precedes every query. Segments
+    without host bounds (the rank-invariant XLA path) are never skipped and always masked.
     """
     qt, kt = q_tiles[qi], k_tiles[ki]
     if kt.glob > qt.glob + qt.length - 1:
         return True, None
     mask = None
     if seg_q is not None and seg_k is not None:
-        qlo, qhi, klo, khi = seg_q.lo[qi], seg_q.hi[qi], seg_k.lo[ki], seg_k.hi[ki]
-        if all(kh < ql or kl > qh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
+        known = seg_q.lo is not None and seg_q.hi is not None and seg_k.lo is not None and seg_k.hi is not None
+        qlo, qhi, klo, khi = (seg_q.lo[qi], seg_q.hi[qi], seg_k.lo[ki], seg_k.hi[ki]) if known else ([],) * 4
+        if known and all(kh < ql or kl > qh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
             return True, None
-        if not all(ql == qh == kl == kh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
+        if not known or not all(ql == qh == kl == kh for ql, qh, kl, kh in zip(qlo, qhi, klo, khi)):
             sq = seg_q.ids[:, qt.local:qt.local + qt.length]
             sk = seg_k.ids[:, kt.local:kt.local + kt.length]
             mask = (sq[:, :, None] == sk[:, None, :])[:, None, :, None]  # [B, 1, Tq, 1, Tk]
@@ -130,10 +138,21 @@ def _finite(x: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isinf(x), torch.zeros_like(x), x)
 
 
+def _logaddexp(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.logaddexp(a, b)`` (-inf where both are -inf). On XLA devices, where torch-xla has no lowering of
+    ``logaddexp`` (its CPU fallback would execute the pending graph and read it back: a host read, and on several
+    devices a collective outside the ordered graph), as ``m + log(exp(a - m) + exp(b - m))`` with ``m`` the finite
+    maximum."""
+    if not _rank_invariant(a):
+        return torch.logaddexp(a, b)
+    m = _finite(torch.maximum(a, b))
+    return m + torch.log(torch.exp(a - m) + torch.exp(b - m))
+
+
 def _merge(out: torch.Tensor, lse: torch.Tensor, out_b: torch.Tensor,
            lse_b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Online-softmax merge of two partial results (out ``[..., R, D]``, lse ``[..., R]``, fp32)."""
-    new = torch.logaddexp(lse, lse_b)
+    new = _logaddexp(lse, lse_b)
     ref = _finite(new)
     merged = out * torch.exp(lse - ref).unsqueeze(-1) + out_b * torch.exp(lse_b - ref).unsqueeze(-1)
     return merged, new
@@ -220,24 +239,36 @@ def _ring_group(over_cp: bool) -> collectives.ProcessGroup | None:
     return parallel_state.get_context_parallel_group() if over_cp else None
 
 
-def _ring_blocks(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group: collectives.ProcessGroup | None,
-                 seq_len: int, tile: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[_Tile], _Segments | None]]:
-    """``(k fp32, v fp32, key tiles, key segments)`` of every CP rank's block, this rank's first, then the previous
-    rank's, ...: the next block is already in flight (``ring_exchange``) while the caller works on one."""
-    cp, rank = collectives.group_size(group), collectives.group_rank(group)
+def _rotation(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group: collectives.ProcessGroup | None
+              ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
+    """``(step, k fp32, v fp32, segment ids)`` of every CP rank's block: at step ``i`` the block of CP rank
+    ``(rank - i) mod cp`` (this rank's first); the next block is already in flight (``ring_exchange``) while the
+    caller works on one."""
+    cp = collectives.group_size(group)
     block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
     for step in range(cp):
         pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
-        k_tiles = _tiles(seq_len, (rank - step) % cp, cp, tile)
-        yield block[0], block[1], k_tiles, _segments(block[2] if seg is not None else None, k_tiles)
+        yield step, block[0], block[1], (block[2] if seg is not None else None)
         if pending is not None:
             block = pending.wait()
+
+
+def _ring_blocks(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group: collectives.ProcessGroup | None,
+                 seq_len: int, tile: int) -> Iterator[tuple[torch.Tensor, torch.Tensor, list[_Tile], _Segments | None]]:
+    """``(k fp32, v fp32, key tiles, key segments)`` of every CP rank's block in :func:`_rotation`'s order, with
+    the key tiles' global positions and segment bounds read on the host."""
+    cp, rank = collectives.group_size(group), collectives.group_rank(group)
+    for step, k_block, v_block, seg_block in _rotation(k, v, seg, group):
+        k_tiles = _tiles(seq_len, (rank - step) % cp, cp, tile)
+        yield k_block, v_block, k_tiles, _segments(seg_block, k_tiles)
 
 
 def _ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, scale: float,
                   tile: int, over_cp: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """Ring forward: ``(out [B, Hq, L, D] in q's dtype, lse [B, Hkv, L, G] fp32)`` (module docstring)."""
     group = _ring_group(over_cp)
+    if _rank_invariant(q):
+        return _invariant_forward(q, k, v, seg, scale, tile, group)
     cp, rank = collectives.group_size(group), collectives.group_rank(group)
     hkv, seq_len = k.shape[1], q.shape[2] * cp
     q_tiles = _tiles(seq_len, rank, cp, tile)
@@ -255,6 +286,8 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
                    tile: int, over_cp: bool = True) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Ring backward: ``(dq, dk, dv)`` in the dtypes of q, k, v (module docstring)."""
     group = _ring_group(over_cp)
+    if _rank_invariant(q):
+        return _invariant_backward(grad_out, q, k, v, seg, out, lse, scale, tile, group)
     cp, rank = collectives.group_size(group), collectives.group_rank(group)
     hkv, seq_len = k.shape[1], q.shape[2] * cp
     q_tiles = _tiles(seq_len, rank, cp, tile)
@@ -265,10 +298,133 @@ def _ring_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: 
     seg_q = _segments(seg, q_tiles)
     for k_block, v_block, k_tiles, seg_k in _ring_blocks(k, v, seg, group, seq_len, tile):
         dk, dv = _block_backward(qf, k_block, v_block, dof, lse, delta, q_tiles, k_tiles, seg_q, seg_k, dq, scale)
-        if incoming is not None:
-            dk_in, dv_in = incoming.wait()
-            dk, dv = dk + dk_in, dv + dv_in
-        incoming = collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)  # last hop: back to the owner
+        incoming = _pass_on_grads(dk, dv, incoming, group)
+    dk, dv = incoming.wait()
+    return _ungrouped(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _pass_on_grads(dk: torch.Tensor, dv: torch.Tensor, incoming: collectives.RingExchange | None,
+                   group: collectives.ProcessGroup | None) -> collectives.RingExchange:
+    """Add the dK/dV accumulators that arrived (``incoming``, when any) to this block's and send the sums on to the
+    next rank (the last hop brings them back to the block's owner)."""
+    if incoming is not None:
+        dk_in, dv_in = incoming.wait()
+        dk, dv = dk + dk_in, dv + dv_in
+    return collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)
+
+
+# ---- the rank-invariant ring (XLA) ---------------------------------------------------------------------------------
+# On XLA every rank must trace the same graph (a collective in graphs that differ per rank hangs or compiles per rank)
+# and a host read stops the host from tracing ahead. The ring above decides tile skips and masks from global
+# positions (Python ints that depend on the CP rank) and reads segment bounds on the host. The same attention,
+# written so that only device data depends on the rank: with the head-tail layout (halves = chunks r and 2cp-1-r),
+# at step 0 the relations between local tiles are the same on every rank (rank 0's tiles stand for all); at a step
+# i > 0 the visiting block of rank s = (r - i) mod cp contributes exactly two full (unmasked by position) quadrants
+# of c x c tokens (c = L / 2): second-half queries x first-half keys always, plus first x first when s < r (i <= r)
+# or second x second when s > r. That choice is a device-side select on the CP rank as data
+# (:func:`parallel_state.rank_tensor`), so the FLOPs are those of the skipping ring. Segment ids stay on the device:
+# no tile pair is skipped for lying in different documents, the mask is applied instead.
+
+
+def _rank_invariant(x: torch.Tensor) -> bool:
+    """True where every rank must trace the same graph without host reads: XLA devices (torch-xla, Neuron)."""
+    return x.device.type == "xla"
+
+
+def _quadrant_tiles(half: int, tile: int) -> tuple[list[_Tile], list[_Tile]]:
+    """(query tiles, key tiles) of two ``half``-token halves in which every key precedes every query (no position
+    mask, no skip)."""
+    keys = [_Tile(g, g, min(tile, half - g)) for g in range(0, half, tile)]
+    return [_Tile(t.local, t.glob + half, t.length) for t in keys], keys
+
+
+def _pick(first: torch.Tensor, x: torch.Tensor, dim: int) -> torch.Tensor:
+    """``x``'s first half along ``dim`` where ``first`` ([1] bool device tensor) else its second half (a copy)."""
+    a, b = x.chunk(2, dim)
+    return torch.where(first, a, b)
+
+
+def _put(first: torch.Tensor, x: torch.Tensor, part: torch.Tensor, dim: int) -> None:
+    """Write ``part`` into ``x``'s first half along ``dim`` where ``first`` else into its second half (in place)."""
+    a, b = x.chunk(2, dim)
+    a.copy_(torch.where(first, part, a))
+    b.copy_(torch.where(first, b, part))
+
+
+def _device_segments(seg: torch.Tensor | None) -> _Segments | None:
+    """Segment ids without host bounds: every tile pair is masked by id equality (no host read)."""
+    return None if seg is None else _Segments(seg, None, None)
+
+
+def _half_segments(seg: torch.Tensor | None, half: int | torch.Tensor) -> _Segments | None:
+    """Segments of half ``half`` (0 / 1, or ``first`` as in :func:`_pick`) of ``seg [B, L]``."""
+    if seg is None:
+        return None
+    return _device_segments(seg.chunk(2, 1)[half] if isinstance(half, int) else _pick(half, seg, 1))
+
+
+def _first_half_turn(step: int, device: torch.device) -> torch.Tensor:
+    """``[1]`` bool on ``device``: at ring step ``step > 0`` the visiting block precedes this rank (s < r), i.e.
+    the first x first quadrant is the active one; computed from the CP rank (the ring's group is the CP group) as
+    device data."""
+    return parallel_state.rank_tensor("cp", device) >= step
+
+
+def _invariant_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, scale: float,
+                       tile: int, group: collectives.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_ring_forward` with a rank-invariant graph and no host read (see above)."""
+    cp, hkv, n = collectives.group_size(group), k.shape[1], q.shape[2]
+    own = _tiles(n * cp, 0, cp, tile)  # rank 0's tiles: at step 0 every rank's tiles relate the same way
+    q_tiles, k_tiles = _quadrant_tiles(n // 2, tile)
+    qf = _grouped(q, hkv)
+    out = torch.zeros_like(qf)
+    lse = torch.full(qf.shape[:-1], float("-inf"), dtype=torch.float32, device=q.device)
+    for step, kb, vb, sb in _rotation(k, v, seg, group):
+        if step == 0:
+            _block_forward(qf, kb, vb, own, own, _device_segments(seg), _device_segments(sb), out, lse, scale)
+            continue
+        c = n // 2
+        _block_forward(qf[:, :, c:], kb[:, :, :c], vb[:, :, :c], q_tiles, k_tiles, _half_segments(seg, 1),
+                       _half_segments(sb, 0), out[:, :, c:], lse[:, :, c:], scale)
+        first = _first_half_turn(step, q.device)
+        out_s, lse_s = _pick(first, out, 2), _pick(first, lse, 2)
+        _block_forward(_pick(first, qf, 2), _pick(first, kb, 2), _pick(first, vb, 2), q_tiles, k_tiles,
+                       _half_segments(seg, first), _half_segments(sb, first), out_s, lse_s, scale)
+        _put(first, out, out_s, 2)
+        _put(first, lse, lse_s, 2)
+    return _ungrouped(out, q.dtype), lse
+
+
+def _invariant_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                        seg: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor, scale: float, tile: int,
+                        group: collectives.ProcessGroup | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_ring_backward` with a rank-invariant graph and no host read (see above)."""
+    cp, hkv, n = collectives.group_size(group), k.shape[1], q.shape[2]
+    own = _tiles(n * cp, 0, cp, tile)
+    q_tiles, k_tiles = _quadrant_tiles(n // 2, tile)
+    c = n // 2
+    qf, dof = _grouped(q, hkv), _grouped(grad_out, hkv)
+    delta = (dof * _grouped(out, hkv)).sum(-1)  # rowsum(dO * O) [B, Hkv, L, G]
+    dq = torch.zeros_like(qf)
+    incoming = None
+    for step, kb, vb, sb in _rotation(k, v, seg, group):
+        if step == 0:
+            dk, dv = _block_backward(qf, kb, vb, dof, lse, delta, own, own, _device_segments(seg),
+                                     _device_segments(sb), dq, scale)
+        else:
+            dk1, dv1 = _block_backward(qf[:, :, c:], kb[:, :, :c], vb[:, :, :c], dof[:, :, c:], lse[:, :, c:],
+                                       delta[:, :, c:], q_tiles, k_tiles, _half_segments(seg, 1),
+                                       _half_segments(sb, 0), dq[:, :, c:], scale)
+            first = _first_half_turn(step, q.device)
+            dq_s = torch.zeros_like(dq[:, :, :c])
+            dk_s, dv_s = _block_backward(_pick(first, qf, 2), _pick(first, kb, 2), _pick(first, vb, 2),
+                                         _pick(first, dof, 2), _pick(first, lse, 2), _pick(first, delta, 2),
+                                         q_tiles, k_tiles, _half_segments(seg, first), _half_segments(sb, first),
+                                         dq_s, scale)
+            _put(first, dq, _pick(first, dq, 2) + dq_s, 2)
+            dk = torch.cat([dk1 + torch.where(first, dk_s, 0.0), torch.where(first, 0.0, dk_s)], dim=2)
+            dv = torch.cat([dv1 + torch.where(first, dv_s, 0.0), torch.where(first, 0.0, dv_s)], dim=2)
+        incoming = _pass_on_grads(dk, dv, incoming, group)
     dk, dv = incoming.wait()
     return _ungrouped(dq, q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

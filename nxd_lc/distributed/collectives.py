@@ -4,9 +4,9 @@ Every other module of nxd_lc goes through these functions, so a backend only has
 here. Backends: ``gloo`` (CPU), ``nccl`` (CUDA) and ``xla`` (torch-xla's process group for multi-device
 XLA, e.g. Trainium: collectives become XLA collective ops inside the lazy graph; registered on first use
 by :func:`nxd_lc.runtime.device.default_backend`). On ``xla``, gathers and reduce-scatters use the single-tensor forms
-(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as on nccl); point-to-point ring exchange is
-not available there (use ``context_parallel_algo: ulysses``). All functions are plain tensor operations without
-autograd; :mod:`nxd_lc.distributed.mappings` wraps them in autograd functions.
+(``all_gather_into_tensor`` / ``reduce_scatter_tensor``, as on nccl); the ring exchange, which has no
+point-to-point send/recv there, is an XLA collective permute (:func:`ring_exchange`). All functions are plain
+tensor operations without autograd; :mod:`nxd_lc.distributed.mappings` wraps them in autograd functions.
 
 Conventions
 -----------
@@ -21,7 +21,8 @@ Conventions
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -240,6 +241,12 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     per tensor (``tag``, ``tag + 1``, ...; give exchanges that can be in flight together disjoint tag ranges).
     With ``group=None`` or a group of size 1 the "next rank" is this rank: the inputs come back.
 
+    On the ``xla`` backend (no point-to-point send/recv there) the exchange is one XLA ``collective_permute`` per
+    dtype (the tensors of a dtype flattened and concatenated), whose source/target pairs are the rings of *every*
+    group of ``group``'s partition (:func:`_xla_ring_pairs`): every rank of the world traces the same graph, with
+    no rank-dependent constant and no host read; ``tag`` is not needed there (the exchanges are ordered in the
+    graph) and ``.wait()`` returns the lazy results.
+
     Returns:
         a :class:`RingExchange`; call ``.wait()`` before reading the received tensors.
     """
@@ -247,10 +254,7 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     if size == 1:
         return RingExchange([], [], list(tensors))
     if _backend(group) == "xla":
-        raise NotImplementedError(
-            "ring_exchange: point-to-point send/recv is not available on the 'xla' process group; set "
-            "distributed_strategy.context_parallel_algo: ulysses on XLA/Neuron"
-        )
+        return RingExchange([], [], _xla_ring_permute(list(tensors), _xla_ring_pairs(group)))
     rank = dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prev = dist.get_global_rank(group, (rank - 1) % size)
@@ -262,6 +266,41 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
         ops.append(dist.P2POp(dist.irecv, inp, prev, group, tag + i))
     works = dist.batch_isend_irecv(ops)
     return RingExchange(list(works), sent, received)
+
+
+def _xla_ring_pairs(group: ProcessGroup) -> list[list[int]]:
+    """``[source, target]`` global ordinals of the ring (group rank ``r`` -> ``r + 1``, ranks in increasing order as
+    ``torch.distributed`` numbers them) of every group of ``group``'s partition.
+
+    The partition is the mesh :func:`new_group` gave torch-xla's process group (e.g. every CP group at once, so a
+    CP ring at TP = 2 sends 0->2, 2->0, 1->3, 3->1 on every rank); a group created without one (torch-xla's
+    default mesh ``[ranks]``), or a group object without a mesh, gives the ring of ``group`` alone.
+    """
+    # torch-xla's ProcessGroupXla is the group object itself (a Python ProcessGroup) and keeps the mesh in _mesh
+    mesh = getattr(group, "_mesh", None) or [dist.get_process_group_ranks(group)]
+    pairs = []
+    for ranks in mesh:
+        ring = sorted(int(r) for r in ranks)
+        if len(ring) > 1:
+            pairs += [[src, ring[(i + 1) % len(ring)]] for i, src in enumerate(ring)]
+    return pairs
+
+
+def _xla_ring_permute(tensors: list[torch.Tensor], pairs: list[list[int]]) -> list[torch.Tensor]:
+    """Send ``tensors`` along ``pairs`` with one ``xm.collective_permute`` per dtype; the received tensors, in
+    input order and shapes."""
+    import torch_xla.core.xla_model as xm
+
+    received: list[torch.Tensor] = list(tensors)  # every slot is replaced below
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    for indices in by_dtype.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in indices])
+        parts = xm.collective_permute(flat, pairs).split([tensors[i].numel() for i in indices])
+        for i, part in zip(indices, parts):
+            received[i] = part.view(tensors[i].shape)
+    return received
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
@@ -325,3 +364,36 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
     t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.tolist()]
+
+
+@contextlib.contextmanager
+def stage_isolated(device: torch.device | str) -> Iterator[None]:
+    """Run the block's collectives in a graph of their own on torch-xla (cut the lazy graph on entry and exit); a
+    no-op on eager devices.
+
+    For collectives between ranks that trace different graphs around them, i.e. different pipeline stages (the
+    loss and the records summed over the PP group, the global gradient norm over TP x PP, the tied-embedding
+    gradients of the first and last stage): on XLA every rank of a collective's replica group must run the same
+    compiled graph (otherwise they load different executables and wait for each other forever), so the collective
+    cannot share a graph with a stage's own computation (NxD isolates its pipeline collectives the same way).
+    Every rank of the pipeline must enter it the same number of times, member of the group or not, so that all
+    ranks cut alike. Put inside the block only collectives and reads of already computed tensors.
+    """
+    lazy = torch.device(device).type == "xla"
+    if lazy:
+        from nxd_lc.runtime.xla import sync
+
+        sync()
+    yield
+    if lazy:
+        from nxd_lc.runtime.xla import sync
+
+        sync()
+
+
+def stage_all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
+    """:func:`all_reduce` inside :func:`stage_isolated`: for groups whose ranks run different pipeline stages.
+    ``tensor`` must be computed before the call (it is, once the entry cut has run). Call it only under pipeline
+    parallelism (on XLA it costs two graph cuts), on every rank of the pipeline."""
+    with stage_isolated(tensor.device):
+        return all_reduce(tensor, group, op=op)

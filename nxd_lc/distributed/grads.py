@@ -211,7 +211,11 @@ def _global_norm(
     # every EP rank joins (a no-op without EP); norms are >= 0, so a rank without experts adds a neutral 0
     expert_part = collectives.all_reduce(local_part(experts), parallel_state.get_expert_model_parallel_group(), op=op)
     local = torch.maximum(local, expert_part) if op == "max" else local + expert_part
-    total = collectives.all_reduce(local, parallel_state.get_model_parallel_group(), op=op)
+    mp_group = parallel_state.get_model_parallel_group()
+    if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # the stages trace different graphs
+        total = collectives.stage_all_reduce(local, mp_group, op=op)
+    else:
+        total = collectives.all_reduce(local, mp_group, op=op)
     if data_parallel_sharded:
         total = collectives.all_reduce(total, parallel_state.get_data_parallel_group(True), op=op)
     total = total[0]

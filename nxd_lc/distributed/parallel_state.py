@@ -240,12 +240,12 @@ def _size(name: str) -> int:
 
 
 #: group names :func:`rank_tensor` knows, with the getter of the rank
-_RANK_GETTERS = {name: (lambda name=name: _rank(name)) for name in ("tp", "kv", "dp_cp", "edp_cp")}
+_RANK_GETTERS = {name: (lambda name=name: _rank(name)) for name in ("tp", "cp", "kv", "dp_cp", "edp_cp")}
 
 
 def rank_tensor(name: str, device: torch.device | str) -> torch.Tensor:
-    """This rank's index inside group ``name`` (``'tp'``, ``'kv'``, ``'dp_cp'`` or ``'edp_cp'``) as device data:
-    an int64 tensor of shape ``[1]`` on ``device``, uploaded once per device and parallel state and reused.
+    """This rank's index inside group ``name`` (``'tp'``, ``'cp'``, ``'kv'``, ``'dp_cp'``, ``'edp_cp'``) as device
+    data: an int64 tensor of shape ``[1]`` on ``device``, uploaded once per device and parallel state and reused.
 
     Rank-dependent arithmetic (a vocabulary offset, "count this part on rank 0 only") written with it traces the
     same graph on every rank; a Python int would be baked into each rank's graph as a different constant, and on

@@ -259,7 +259,9 @@ class NxDLanguageModel(pl.LightningModule):
         grads.allreduce_sequence_parallel_gradients(self.model)
         grads.allreduce_kv_replica_gradients(self.model)
         params = self.trainable_parameters()
-        grads.allreduce_tied_embedding_gradients(params)  # pipeline: embedding (first stage) + lm head (last)
+        if self.pipeline is not None and getattr(self.model.config, "tie_word_embeddings", False):
+            with collectives.stage_isolated(self.device):  # first + last stage: a graph of its own on XLA
+                grads.allreduce_tied_embedding_gradients(params)  # embedding (first stage) + lm head (last)
         grads.allreduce_data_parallel_gradients(params, with_context_parallel=True,
                                                 bucket_size_mb=gradient_bucket_size_mb(self.cfg),
                                                 fp32=self.cfg.precision.fp32_grads_cc)

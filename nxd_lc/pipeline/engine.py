@@ -34,6 +34,8 @@ from torch import nn
 
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
+from nxd_lc.distributed.collectives import stage_all_reduce
+from nxd_lc.pipeline.lockstep import LockstepRunner, permute_pairs
 from nxd_lc.pipeline.split import stages_of_rank
 from nxd_lc.pipeline.stage import (
     CAUSAL_LM_SUMS,
@@ -42,6 +44,8 @@ from nxd_lc.pipeline.stage import (
     meta_like,
     stage_activation_shape,
 )
+from nxd_lc.runtime.xla import collective_permute, is_xla_tensor
+from nxd_lc.runtime.xla import sync as xla_sync
 
 #: batch keys the stages take by name; any other tensor of the batch is an objective's extra keyword argument
 _STAGE_KEYS = ("input_ids", "labels", "position_ids", "segment_ids")
@@ -169,14 +173,37 @@ class PipelineEngine:
                     raise ValueError(f"pipeline: batch tensor {key!r} of shape {tuple(value.shape)} does not split "
                                      f"into {n} micro-batches along dim 0")
                 kwargs[key] = value
-        schedule = self._schedule(n, seq_local, input_ids.device, train)
-        args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
         losses: list[torch.Tensor] = []
-        run = schedule.step if train else schedule.eval
-        run(*args, target=labels, losses=losses, **kwargs)
-        local = torch.stack([x.detach().float().reshape(()) for x in losses]).sum() if losses else \
-            torch.zeros((), device=input_ids.device)
-        return collectives.all_reduce(local.reshape(1), ps.get_pipeline_model_parallel_group())[0]
+        if is_xla_tensor(input_ids):  # no point-to-point on the XLA process group: the lockstep schedule
+            losses = self._lockstep(seq_local, input_ids.device).run(
+                n, train, input_ids.chunk(n), [{k: v.chunk(n)[i] for k, v in kwargs.items()} for i in range(n)],
+                cut=xla_sync)
+        else:
+            schedule = self._schedule(n, seq_local, input_ids.device, train)
+            args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
+            run = schedule.step if train else schedule.eval
+            run(*args, target=labels, losses=losses, **kwargs)
+        # ranks without the last stage add zeros, uploaded (device data: on XLA a zeros made on the device would be
+        # a constant in the reduction's graph, which would then differ from the last stage's)
+        local = torch.stack([x.detach().float().reshape(()) for x in losses]).sum().reshape(1) if losses else \
+            torch.zeros(1).to(input_ids.device)
+        return stage_all_reduce(local, ps.get_pipeline_model_parallel_group())[0]
+
+    def _lockstep(self, seq_local: int, device: torch.device) -> LockstepRunner:
+        """The torch-xla schedule (:mod:`nxd_lc.pipeline.lockstep`) for this sequence length."""
+        hidden = self.model.config.hidden_size
+        tp = ps.get_tensor_model_parallel_world_size()
+        stream = [(stage_activation_shape(self.micro_batch_size, seq_local, hidden, tp, self.sequence_parallel),
+                   self._activation_dtype())]
+        if self.model.pipeline_statistics_size:
+            stream.append(((self.model.pipeline_statistics_size,), torch.float32))
+        groups = ps.rank_layout(collectives.get_global_world_size(), ps.get_tensor_model_parallel_world_size(),
+                                self.pp, ps.get_context_parallel_world_size())["pp"]
+        return LockstepRunner(self.stage_modules, pipeline_size=self.pp,
+                              pipeline_rank=ps.get_pipeline_model_parallel_rank(), stream=stream,
+                              forward_pairs=permute_pairs(groups, self.virtual_size, forward=True),
+                              backward_pairs=permute_pairs(groups, self.virtual_size, forward=False),
+                              exchange=collective_permute, device=device)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Forward and backward of every micro-batch of ``batch`` (``[num_microbatches x micro_batch_size, S]``
@@ -263,8 +290,8 @@ class PipelineEngine:
         if records:
             local = torch.cat([torch.stack([r[k].reshape(-1) for r in records]) for k in shapes], dim=1)
         else:
-            local = torch.zeros(n, sum(sizes), dtype=torch.float32, device=device)
-        total = collectives.all_reduce(local.contiguous(), ps.get_pipeline_model_parallel_group())  # [n, sum]
+            local = torch.zeros(n, sum(sizes), dtype=torch.float32).to(device)  # device data (see _run)
+        total = stage_all_reduce(local.contiguous(), ps.get_pipeline_model_parallel_group())  # [n, sum]
         parts = dict(zip(shapes, torch.split(total, sizes, dim=1)))
         metrics = {k: parts[k].reshape(n, *shape) for k, shape in shapes.items()}
         return PipelineOutput(loss=metrics.pop("loss").mean(), metrics=metrics)

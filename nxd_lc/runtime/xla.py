@@ -186,3 +186,17 @@ def bitcast_float32_int32(x: torch.Tensor, to_int: bool = True) -> torch.Tensor:
     to_i32, to_f32 = _bitcast_ops()
     return to_i32(x) if to_int else to_f32(x)  # type: ignore[operator]
 
+
+def collective_permute(tensor: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """XLA ``CollectivePermute``: device ``target`` receives ``tensor`` of device ``source`` for each
+    ``(source, target)`` pair (global device ordinals = torch.distributed ranks on torch-xla); a device that no
+    pair targets receives zeros. Every device of the pairs must trace the same call (the same pairs, shape and
+    dtype) in the same graph. A lazy op: nothing runs until the graph is cut.
+
+    Raises:
+        RuntimeError: torch-xla is not installed.
+    """
+    require_torch_xla("collective_permute")
+    import torch_xla.core.xla_model as xm
+
+    return xm.collective_permute(tensor, [list(p) for p in pairs])

@@ -35,7 +35,6 @@ from nxd_lc.app.validation.model import (
     moe_layout_problems,
 )
 from nxd_lc.app.validation.parallel import (
-    auto_ring_on_xla,
     context_parallel_problems,
     head_problems,
     parallel_problems,
@@ -108,7 +107,7 @@ def unsupported_features(cfg: NxdConfig) -> list[str]:
     """Keys set to values whose feature is not implemented: ``not supported yet: <key>=<value>`` (every optimizer
     and scheduler name of the schema is implemented; what remains is the accelerator-dependent layout and the
     data keys)."""
-    return auto_ring_on_xla(cfg) + data_unsupported(cfg)
+    return data_unsupported(cfg)
 
 
 def check_supported(cfg: NxdConfig) -> None:

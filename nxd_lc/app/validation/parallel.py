@@ -16,7 +16,7 @@ from nxd_lc.config.access import (
 )
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.pipeline.split import split_problems
-from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
+from nxd_lc.runtime.device import is_lazy_config_accelerator
 
 
 def parallel_problems(cfg: NxdConfig, world_size: int | None) -> list[str]:
@@ -70,18 +70,6 @@ def lazy_neuron_or_xla(accelerator: str) -> bool:
     return is_lazy_config_accelerator(accelerator)
 
 
-def ring_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
-    """Ring context parallelism needs point-to-point send/recv, which the torch-xla process group does not offer
-    (:func:`nxd_lc.distributed.collectives.ring_exchange`): reject it on xla / neuron before anything is built."""
-    ds = cfg.distributed_strategy
-    if ds.context_parallel_size <= 1 or ds.context_parallel_algo != "ring" or not lazy_neuron_or_xla(accelerator):
-        return []
-    return [f"distributed_strategy.context_parallel_algo: ring attention (context_parallel_size "
-            f"{ds.context_parallel_size}) is not available on trainer.accelerator {accelerator} (the XLA process "
-            "group has no point-to-point send/recv for the K/V ring); set context_parallel_algo: ulysses (and "
-            "model.fusions.ring_attention: false), or run on trainer.accelerator cpu / gpu"]
-
-
 def length_divisibility_problems(cfg: NxdConfig, s: int, key: str, *, sequence_parallel: bool = True,
                                   context_parallel: bool = True) -> list[str]:
     """A training length ``s`` (named ``key``) against the layout: divisible by TP under sequence parallelism, by
@@ -117,7 +105,7 @@ def context_parallel_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list
                  f"{hint}choose ring or ulysses")
         return p
     if cp > 1:
-        p += ring_attention_problems(cfg) + ring_on_xla_problems(cfg, cfg.trainer.accelerator)
+        p += ring_attention_problems(cfg)
     if cp <= 1 or s is None or tp < 1:
         return p
     p += length_divisibility_problems(cfg, s, "data.seq_length", sequence_parallel=False)
@@ -194,7 +182,7 @@ def pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     layers = cfg.model.num_layers if cfg.model.num_layers not in (None, -1) else (hf or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         p += split_problems(layers, pp, vpp, cfg.model.pipeline_cuts)
-    return p + pipeline_dpo_reference_problems(cfg) + pipeline_on_xla_problems(cfg, cfg.trainer.accelerator) \
+    return p + pipeline_dpo_reference_problems(cfg) \
         + compile_on_xla_problems(cfg)
 
 
@@ -229,30 +217,6 @@ def pipeline_dpo_reference_problems(cfg: NxdConfig) -> list[str]:
     return [f"model_alignment_strategy.dpo.precompute_ref_log_probs: false (a reference forward every step) is not "
             f"available with distributed_strategy.pipeline_model_parallel_size {pp}; set it true (the reference "
             "log-probs are then computed once, through the pipeline, before training)"]
-
-
-def pipeline_on_xla_problems(cfg: NxdConfig, accelerator: str) -> list[str]:
-    """The pipeline schedule sends activations point to point, which the torch-xla process group does not offer
-    (as for ring attention): reject PP > 1 on xla / neuron before anything is built."""
-    pp = cfg.distributed_strategy.pipeline_model_parallel_size
-    if pp <= 1 or not lazy_neuron_or_xla(accelerator):
-        return []
-    return [f"distributed_strategy.pipeline_model_parallel_size: pipeline parallelism ({pp} stages) is not "
-            f"available on trainer.accelerator {accelerator} (the XLA process group has no point-to-point "
-            "send/recv for the activations between stages); set it to 1, or run on trainer.accelerator cpu / gpu"]
-
-
-def auto_ring_on_xla(cfg: NxdConfig) -> list[str]:
-    """``trainer.accelerator: auto`` resolves to neuron on a Trainium host: ring CP and pipeline parallelism are
-    then not available either (explicit xla / neuron are rejected by validation, :func:`ring_on_xla_problems`,
-    :func:`pipeline_on_xla_problems`)."""
-    ds = cfg.distributed_strategy
-    ring = ds.context_parallel_size > 1 and ds.context_parallel_algo == "ring"
-    if cfg.trainer.accelerator != "auto" or not (ring or ds.pipeline_model_parallel_size > 1):
-        return []
-    return ["not supported yet: " + p.replace("trainer.accelerator neuron", "trainer.accelerator auto (= neuron here)")
-            for p in ring_on_xla_problems(cfg, "neuron") + pipeline_on_xla_problems(cfg, "neuron")] \
-        if neuron_resolution() == "neuron" else []
 
 
 def compile_blocker(cfg: NxdConfig, attention_dropout: float, moe: bool = False) -> str | None:
