@@ -69,3 +69,32 @@ def test_a_signal_before_training_starts_stops_at_once() -> None:
     finally:
         cb.restore()
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+@pytest.mark.compat
+def test_install_outside_the_main_thread_installs_nothing_and_warns(caplog: pytest.LogCaptureFixture) -> None:
+    """Python delivers signals to the main thread only (signal.signal raises elsewhere): a run inside another thread
+    (a worker thread, the multi-device XLA test bed's device threads) keeps the handlers it found, warns once and
+    still votes at step boundaries, as Lightning's signal connector does."""
+    import threading
+
+    before = signal.getsignal(signal.SIGTERM)
+    cb = PreemptionCallback(["SIGTERM"])
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            cb.install()
+            cb.on_train_start(SimpleNamespace(global_step=0), None)  # type: ignore[arg-type]
+            cb.restore()
+        except BaseException as e:  # noqa: BLE001 -- handed to the test
+            errors.append(e)
+
+    with caplog.at_level("WARNING", logger="nxd_lc.lightning.preemption"):
+        t = threading.Thread(target=run, name="worker")
+        t.start()
+        t.join()
+    assert errors == [] and signal.getsignal(signal.SIGTERM) == before
+    warnings = [r.getMessage() for r in caplog.records if "not installed" in r.getMessage()]
+    assert len(warnings) == 1 and "'worker'" in warnings[0], warnings
+    assert cb.owns_sigterm and not PreemptionCallback(["SIGUSR1"]).owns_sigterm

@@ -39,31 +39,32 @@ def _param_attrs(model: Any) -> dict[str, dict[str, Any]]:
     return record_parallel_attributes(model)
 
 
-def _mixtral_config() -> Any:
+def _mixtral_config(aux: float = 0.0) -> Any:
     from transformers import MixtralConfig
 
     return MixtralConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
-                         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=0.0,
+                         max_position_embeddings=64, output_router_logits=True, router_aux_loss_coef=aux,
                          tie_word_embeddings=False)
 
 
 def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp: int = 1, algo: str = "ulysses",
           zero1: bool = False, steps: int = 3, move: str = "nxd", ep: int = 1, model: str = "llama", pp: int = 1,
-          vpp: int = 1, layers: int = 2) -> dict[str, Any]:
+          vpp: int = 1, layers: int = 2, aux: float = 0.0) -> dict[str, Any]:
     """``steps`` optimizer steps of :data:`MICRO_BATCHES` micro-batches each; returns the DP-averaged loss
     and the global gradient norm of every step (read after the step's cut), a digest of the norm weights'
     bytes (to compare between TP ranks) and whether every parameter kept its parallel attributes
     through the device move.
 
     ``model``: ``'llama'`` or ``'mixtral'`` (4 experts, top 2, capacity factor 4: static shapes and no token
-    dropped, so the result cannot depend on how tokens are split over ranks; the load-balancing coefficient is 0
-    because that loss is per rank's tokens by definition (Megatron / NxD) and differs from one device's over the
-    union; ``ep``: the experts split over that many DP ranks). ``move``: ``'nxd'`` moves the module with
-    :func:`nxd_lc.layers.param_attrs.move_module` (production), ``'plain'`` with ``module.to(device)`` (what
-    loses the attributes on XLA). ``pp`` / ``vpp``: pipeline parallelism (``vpp`` virtual stages per rank) over
-    a ``layers``-layer Llama; the step's micro-batches then go through the pipeline schedule in one
-    ``training_step`` (the lockstep schedule of :mod:`nxd_lc.pipeline.lockstep` on XLA).
+    dropped, so the result cannot depend on how tokens are split over ranks; the load-balancing coefficient ``aux``
+    is 0 by default because that loss is per rank's tokens by definition (Megatron / NxD) and differs from one
+    device's over the union under DP / EP; ``ep``: the experts split over that many DP ranks). ``move``:
+    ``'nxd'`` moves the module with :func:`nxd_lc.layers.param_attrs.move_module` (production), ``'plain'`` with
+    ``module.to(device)`` (what loses the attributes on XLA). ``pp`` / ``vpp``: pipeline parallelism (``vpp``
+    virtual stages per rank) over a ``layers``-layer Llama (Mixtral: always 2 layers); the step's micro-batches
+    then go through the pipeline schedule in one ``training_step`` (the lockstep schedule of
+    :mod:`nxd_lc.pipeline.lockstep` on XLA).
     """
     import torch
     import torch_xla
@@ -101,8 +102,8 @@ def train(rank: int, world: int, tp: int = 1, sp: bool = False, kv: int = 1, cp:
             from nxd_lc.models.mixtral import MixtralForCausalLM
             from nxd_lc.moe.config import MoEOptions
 
-            built = MixtralForCausalLM(_mixtral_config(), moe=MoEOptions(capacity_factor=4.0, dropless=False),
-                                       sequence_parallel=sp)
+            built = MixtralForCausalLM(_mixtral_config(aux), moe=MoEOptions(capacity_factor=4.0, dropless=False),
+                                       sequence_parallel=sp, **part)
         else:
             built = LlamaForCausalLM(_llama_config(layers), sequence_parallel=sp, kv_replicator=kv, **part)
     dp, dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()

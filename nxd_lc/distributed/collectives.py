@@ -22,6 +22,10 @@ Conventions
 from __future__ import annotations
 
 import contextlib
+import logging
+import os
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -340,18 +344,30 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
 
     A control-plane collective (flags such as "a signal arrived", "my write failed"), never on the device
     graph: gloo reduces a CPU tensor, an accelerator backend (nccl, TorchNeuron's neuron) one on the current
-    accelerator device, xla uses torch-xla's host-side ``xm.mesh_reduce`` (no lazy graph). Every rank must call
-    it, with the same ``len(values)`` and ``tag``. Without torch.distributed (or with one rank) it returns
+    accelerator device. On xla the ranks agree through the default process group's key-value store
+    (:func:`store_world_max`; the TCPStore of torchrun's / torch-xla's ``xla://`` rendezvous): no device, no lazy
+    graph, no host read of a device tensor, so a vote on every training step does not make the host wait for the
+    device. Only where that store cannot hold keys (torch-xla's ``DummyStore``, chosen with
+    ``XLA_USE_DUMMY_STORE=1`` and ``TORCH_DIST_INIT_BARRIER=0``) it falls back to ``xm.mesh_reduce`` (a sync,
+    device all-gathers and host reads on every call; warned once). Every rank must call it, with the same
+    ``len(values)`` and ``tag``, the same number of times. Without torch.distributed (or with one rank) it returns
     ``list(values)``.
 
     Raises:
-        RuntimeError: a non-gloo, non-xla backend without a current accelerator device.
+        RuntimeError: a non-gloo, non-xla backend without a current accelerator device;
+            ``torch.distributed.DistStoreError`` (a RuntimeError) when a rank does not arrive within the store's
+            timeout (xla).
+        ValueError: ranks voted different numbers of values under ``tag`` (xla).
     """
     values = [int(v) for v in values]
     if not is_initialized() or dist.get_world_size() == 1:
         return values
     backend = str(dist.get_backend()).lower()
     if "xla" in backend:
+        store = None if xla_store_is_dummy() else default_store()
+        if store is not None:
+            return store_world_max(values, tag, store, dist.get_world_size(), dist.group.WORLD)
+        _warn_device_vote()
         import torch_xla.core.xla_model as xm
 
         return list(xm.mesh_reduce(tag, values, lambda rows: [max(col) for col in zip(*rows)]))
@@ -364,6 +380,104 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
     t = torch.tensor(values, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return [int(v) for v in t.tolist()]
+
+
+_log = logging.getLogger(__name__)
+#: scope (the default process group) -> tag -> number of the next store vote; one counter per world and tag
+_VOTE_ROUNDS: weakref.WeakKeyDictionary[Any, dict[str, int]] = weakref.WeakKeyDictionary()
+_VOTE_LOCK = threading.Lock()
+_DEVICE_VOTE_WARNED = False
+
+
+def default_store() -> dist.Store | None:
+    """The key-value store every rank of the default process group shares (the rendezvous store: torchrun's or
+    torch-xla's ``xla://`` TCPStore, under torch's ``default_pg`` prefix), without the group-name prefix that
+    ``torch.distributed`` puts on the group's own store (the same name on every rank of a real job; the multi-device
+    test bed names each thread's groups apart). None for a torch without the private
+    ``torch.distributed.distributed_c10d._get_default_store`` (``tests/test_xla_host_reads.py`` pins it)."""
+    getter = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if getter is None:
+        return None
+    store = getter()
+    if isinstance(store, dist.PrefixStore):  # "<group name>/": c10d's per-group namespace
+        store = store.underlying_store
+    return store
+
+
+def xla_store_is_dummy() -> bool:
+    """True when torch-xla's ``xla://`` rendezvous gave the process group a ``DummyStore``, which holds no keys: it
+    does so exactly when ``TORCH_DIST_INIT_BARRIER=0`` and ``XLA_USE_DUMMY_STORE=1``
+    (``torch_xla._internal.rendezvous.pjrt_rendezvous_handler``)."""
+    return os.environ.get("TORCH_DIST_INIT_BARRIER") == "0" and os.environ.get("XLA_USE_DUMMY_STORE") == "1"
+
+
+def _warn_device_vote() -> None:
+    global _DEVICE_VOTE_WARNED
+    if not _DEVICE_VOTE_WARNED:
+        _DEVICE_VOTE_WARNED = True
+        _log.warning("world_max: no key-value store shared by the ranks (torch-xla's DummyStore, chosen by "
+                     "XLA_USE_DUMMY_STORE=1 with TORCH_DIST_INIT_BARRIER=0, or a torch without "
+                     "distributed_c10d._get_default_store); votes use xm.mesh_reduce, device all-gathers read back "
+                     "by the host on every call (the per-step preemption vote then waits for the device); unset "
+                     "XLA_USE_DUMMY_STORE to vote through the TCPStore")
+
+
+def _encode(values: Sequence[int]) -> bytes:
+    return ",".join(str(int(v)) for v in values).encode()
+
+
+def _decode(raw: bytes, tag: str, count: int) -> list[int]:
+    out = [int(v) for v in raw.decode().split(",")] if raw else []
+    if len(out) != count:
+        raise ValueError(f"world_max({tag!r}): ranks voted {len(out)} and {count} values; every rank must vote the "
+                         "same number of values under one tag (a bug in the caller)")
+    return out
+
+
+def store_world_max(values: Sequence[int], tag: str, store: dist.Store, world_size: int, scope: Any) -> list[int]:
+    """Element-wise maximum of ``values`` over the ``world_size`` ranks sharing ``store``, through the store alone.
+
+    A collective in effect: every rank calls it the same number of times with the same ``tag`` and
+    ``len(values)``; calls are numbered per (``scope``, ``tag``) (``scope``: an object that lives as long as the
+    world, e.g. its default process group). Round ``r`` uses the keys ``nxd_lc_vote/<tag>/<r>/{max,arrived,
+    result,read}``:
+
+    1. ``max`` is raised to the element-wise maximum with ``compare_set`` (one request unless another rank changed
+       it in between);
+    2. ``arrived`` is incremented; the rank that makes it ``world_size`` copies ``max`` (every rank's values are
+       in) to ``result``;
+    3. every rank reads ``result`` (a blocking get, up to the store's timeout) and increments ``read``; the rank
+       that makes it ``world_size`` deletes the round's keys (every rank has read them).
+
+    About five store requests per rank and round (O(1) per rank, O(``world_size``) on the store's server).
+
+    Returns:
+        the element-wise maximum, ``len(values)`` ints.
+
+    Raises:
+        torch.distributed.DistStoreError: a rank did not arrive within the store's timeout.
+        ValueError: ranks voted different numbers of values under ``tag``.
+    """
+    mine = [int(v) for v in values]
+    with _VOTE_LOCK:
+        rounds = _VOTE_ROUNDS.setdefault(scope, {})
+        number = rounds.get(tag, 0)
+        rounds[tag] = number + 1
+    prefix = f"nxd_lc_vote/{tag}/{number}"
+    cur = store.compare_set(f"{prefix}/max", b"", _encode(mine))  # inserts when this rank is the first
+    while True:
+        have = _decode(cur, tag, len(mine))
+        merged = [max(a, b) for a, b in zip(have, mine)]
+        if merged == have:
+            break
+        cur = store.compare_set(f"{prefix}/max", cur, _encode(merged))  # the stored value when another rank won
+    if store.add(f"{prefix}/arrived", 1) == world_size:
+        store.set(f"{prefix}/result", store.get(f"{prefix}/max"))
+    result = _decode(store.get(f"{prefix}/result"), tag, len(mine))
+    if store.add(f"{prefix}/read", 1) == world_size:
+        for key in ("max", "arrived", "result", "read"):
+            store.delete_key(f"{prefix}/{key}")
+    return result
 
 
 @contextlib.contextmanager

@@ -6,7 +6,8 @@ whatever the main thread was doing, possibly inside a tensor-parallel collective
 handler issues a collective there (a hang when the other rank is inside a TP collective). So
 :class:`PreemptionCallback` replaces the handlers for ``exp_manager.preemption_signals`` by one that only sets a
 flag. At every optimizer-step boundary (``on_train_batch_end`` after ``global_step`` advanced) all ranks take one
-small host vote (:func:`nxd_lc.distributed.collectives.world_max`) over
+small host vote (:func:`nxd_lc.distributed.collectives.world_max`; on torch-xla through the process group's
+key-value store, so the vote never reads a device tensor and the host does not wait for the device) over
 
 * "a preemption signal arrived here",
 * "my torchrun parent died" (``os.getppid()`` changed: the worker was re-parented; parent-death detection),
@@ -28,6 +29,15 @@ written. From ``on_train_start`` on, the handlers only set the flag.
 
 The same vote also tells when an asynchronous save has been written by every rank, so that it is published at the
 first step boundary after that (see :meth:`nxd_lc.lightning.strategy.NxDStrategy.publish_async_save`).
+
+Lightning's own SIGTERM path (its handler sets ``trainer.received_sigterm``; its training-epoch loop broadcasts rank
+0's flag as a device tensor and reads it back with ``.item()`` before every micro-batch of a distributed run) is
+dead weight once SIGTERM is ours: the flag never becomes true, yet on torch-xla every micro-batch costs a graph
+execution and a host read. :class:`StepBoundaryEpochLoop` is Lightning's loop without that broadcast;
+:func:`nxd_lc.lightning.trainer.build_trainer` installs it on the Trainer when SIGTERM is among
+``exp_manager.preemption_signals`` (:attr:`PreemptionCallback.owns_sigterm`). Without SIGTERM there (e.g. ``[]``),
+Lightning's handler is in charge of SIGTERM and its broadcast stays: the handler's own broadcast on rank 0 is matched
+by the loop's on the other ranks.
 """
 
 from __future__ import annotations
@@ -35,11 +45,13 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import threading
 import time
 from types import FrameType
 from typing import Any, Callable, Optional, Union
 
 import pytorch_lightning as pl
+from pytorch_lightning.loops.training_epoch_loop import _TrainingEpochLoop
 
 from nxd_lc.distributed import collectives
 from nxd_lc.runtime import faults
@@ -98,6 +110,7 @@ class PreemptionCallback(pl.Callback):
         self._last_step = -1
         self._signal_time: Optional[float] = None
         self._training = False  # until on_train_start a signal stops the run at once (StartupInterrupted)
+        self._warned_thread = False
 
     # ---------------------------------------------------------------- handlers
     def _handler(self, signum: int, frame: Optional[FrameType]) -> None:
@@ -115,14 +128,31 @@ class PreemptionCallback(pl.Callback):
             self.received = signum
             self._signal_time = time.monotonic()
 
+    @property
+    def owns_sigterm(self) -> bool:
+        """True when SIGTERM is among the handled signals: from ``on_train_start`` on this callback's handler
+        replaces Lightning's, so ``trainer.received_sigterm`` never becomes true (:class:`StepBoundaryEpochLoop`)."""
+        return int(signal.SIGTERM) in self.signums
+
     def install(self) -> None:
-        """Install the flag-only handlers (main thread only), remembering the handlers found the first time.
+        """Install the flag-only handlers, remembering the handlers found the first time.
 
         Called as early as possible in a run (``train.py``, before the data and model are built, so that a signal
         during start-up stops the run at once: :class:`StartupInterrupted`) and again at ``on_train_start``, after
         Lightning's signal connector registered its own SIGTERM handler (which would run a collective inside the
         handler), from where on a signal only sets the flag for the next step boundary.
+
+        Python delivers signals to the main thread only: called from another thread (a run inside a worker thread,
+        the multi-device XLA test bed's device threads) it installs nothing and warns once, as Lightning's signal
+        connector does; the step-boundary vote still runs (parent death, asynchronous saves).
         """
+        if threading.current_thread() is not threading.main_thread():
+            if self.signums and not self._warned_thread:
+                self._warned_thread = True
+                log.warning("preemption signal handlers not installed: signals reach only the main thread, and this "
+                            "run is in thread %r (exp_manager.preemption_signals has no effect here)",
+                            threading.current_thread().name)
+            return
         for s in self.signums:
             if s not in self._previous:
                 self._previous[s] = signal.getsignal(s)
@@ -197,6 +227,37 @@ class PreemptionCallback(pl.Callback):
         finish = getattr(trainer.strategy, "finish_async_save", None)
         if finish is not None:
             finish()
+
+
+class StepBoundaryEpochLoop(_TrainingEpochLoop):
+    """Lightning's training-epoch loop without its per-micro-batch SIGTERM broadcast.
+
+    Lightning (since its PR #20825; 2.6.6 in both venvs) calls ``_broadcast_sigterm_tensor`` before every training
+    batch of a distributed run: rank 0's ``received_sigterm`` as a one-element tensor on the strategy's device,
+    ``torch.distributed.broadcast``, then ``.item()``. On torch-xla that is a graph execution and a device-to-host
+    read per micro-batch (the host waits for the device before it can trace the next micro-batch); on CUDA a device
+    synchronisation. When :class:`PreemptionCallback` handles SIGTERM (:attr:`PreemptionCallback.owns_sigterm`)
+    Lightning's flag never becomes true during training and the step-boundary vote tells every rank, so the
+    broadcast carries nothing.
+    Installed per Trainer by :func:`nxd_lc.lightning.trainer.build_trainer` (Lightning's own loop is replaced,
+    ``trainer.fit_loop.epoch_loop = ...``, with the same step limits); a test pins the private method's name.
+    """
+
+    def _broadcast_sigterm_tensor(self) -> None:
+        """Nothing to broadcast: SIGTERM is :class:`PreemptionCallback`'s, agreed on at the step boundary."""
+
+
+def install_step_boundary_epoch_loop(trainer: pl.Trainer) -> bool:
+    """Replace ``trainer``'s training-epoch loop by :class:`StepBoundaryEpochLoop` (same ``min_steps`` /
+    ``max_steps``), before ``fit``. Returns False, and changes nothing, when this Lightning has no
+    ``_TrainingEpochLoop._broadcast_sigterm_tensor`` (older 2.x releases have no per-batch broadcast to skip; a
+    newer Lightning that renamed it fails ``tests/test_xla_host_reads.py``'s pin test)."""
+    if not callable(getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)):
+        log.info("this Lightning has no _TrainingEpochLoop._broadcast_sigterm_tensor: its training loop is kept")
+        return False
+    old = trainer.fit_loop.epoch_loop
+    trainer.fit_loop.epoch_loop = StepBoundaryEpochLoop(trainer, min_steps=old.min_steps, max_steps=old.max_steps)
+    return True
 
 
 def checkpoint_callback_saver(callback: Any) -> Callable[[pl.Trainer], None]:

@@ -13,7 +13,7 @@ from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.curriculum import curriculum_stages, stage_at
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
-from nxd_lc.lightning.preemption import PreemptionCallback, checkpoint_callback_saver
+from nxd_lc.lightning.preemption import PreemptionCallback, checkpoint_callback_saver, install_step_boundary_epoch_loop
 from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
@@ -69,7 +69,11 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
     module slices by DP rank); Lightning's precision is "32-true", or "bf16-mixed" (autocast) for
     ``precision.type: autocast``; parameter dtypes, master weights and rounding are the module's
     (:mod:`nxd_lc.precision`). On xla/neuron the
-    accelerator, strategy and precision plugin are nxd_lc's XLA ones (:func:`_backend_kwargs`).
+    accelerator, strategy and precision plugin are nxd_lc's XLA ones (:func:`_backend_kwargs`). When SIGTERM is
+    among ``exp_manager.preemption_signals`` (the default), the training-epoch loop is
+    :class:`~nxd_lc.lightning.preemption.StepBoundaryEpochLoop`: Lightning's per-micro-batch SIGTERM broadcast (a
+    device tensor read back by the host on every micro-batch of a distributed run) is skipped, since the
+    preemption callback's step-boundary vote handles SIGTERM; otherwise Lightning's loop and SIGTERM handling stay.
 
     Args:
         cfg: validated config.
@@ -115,4 +119,7 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
         enable_model_summary=False, default_root_dir=paths.log_dir,
     )
     kwargs.update(overrides)
-    return pl.Trainer(**kwargs)
+    trainer = pl.Trainer(**kwargs)
+    if preemption.owns_sigterm:  # no per-micro-batch SIGTERM broadcast (a host read on XLA): the vote is ours
+        install_step_boundary_epoch_loop(trainer)
+    return trainer

@@ -64,7 +64,7 @@ def ring_attention_problems(cfg: NxdConfig) -> list[str]:
 
 def lazy_neuron_or_xla(accelerator: str) -> bool:
     """``trainer.accelerator`` 'xla', or 'neuron' unless this host has the native (PrivateUse1) Neuron device,
-    which is eager and has point-to-point send/recv (:func:`nxd_lc.runtime.device.is_lazy_config_accelerator`)."""
+    which is eager (:func:`nxd_lc.runtime.device.is_lazy_config_accelerator`): where torch-xla's lazy tensors run."""
     if accelerator not in ("xla", "neuron"):
         return False
     return is_lazy_config_accelerator(accelerator)
