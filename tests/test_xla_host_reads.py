@@ -240,3 +240,28 @@ def test_steady_steps_never_wait_for_the_host_on_two_xla_devices(tmp_path: Any, 
     so ordinary steps run at most m + 1 executions per rank on average and transfer nothing (before: 5 executions
     and 2 transfers per rank and step, the broadcast's 2 of each, plus a device rendezvous per step: the vote)."""
     _check_steady(_host_reads(tmp_path, shared_data, 2), 2)
+
+
+@pytest.mark.xla
+@pytest.mark.slow  # a whole job in a child process: ~35 s on 2 cores
+def test_pipeline_steps_never_wait_for_the_host(tmp_path: Any, shared_data: dict[str, str]) -> None:
+    """PP = 2 on two XLA devices (the lockstep schedule, 2 micro-batches per step): ordinary steps read nothing
+    back and compile nothing, and run the same number of graphs every step. That number is above m + 1 by design:
+    each tick's exchange is a graph between two cuts, and the PP reductions (loss, gradient norm; tied embeddings
+    too, not in this model) are isolated too (docs/experiments/xla_host_reads.md): at most 2 (m + 2S - 3) + 8 per
+    rank with S = 2 stages (measured 14)."""
+    from xla_testbed import run_on_xla_devices
+
+    extra = ["model.num_layers=2", "distributed_strategy.pipeline_model_parallel_size=2",
+             f"data.global_batch_size={2 * MICRO_BATCHES}"]
+    kwargs = {"run_dir": str(tmp_path / "pp"), **shared_data, "max_steps": MAX_STEPS, "log_every_n_steps": LOG_EVERY,
+              "extra": extra}
+    results = run_on_xla_devices("xla_scenarios_hostreads:host_reads_job", 2, kwargs, timeout_s=600,
+                                 wait_timeout_s=120).results
+    steps = _per_step(results[0])
+    assert [r["global_step"] for r in results] == [MAX_STEPS] * 2
+    assert all(steps[k]["transfers_from_device"] == 0 for k in ORDINARY), steps
+    assert all(steps[k]["compiles"] == 0 for k in ORDINARY), steps
+    per_rank = {steps[k]["executions"] / 2 for k in ORDINARY}
+    assert len(per_rank) == 1 and max(per_rank) <= 2 * (MICRO_BATCHES + 2 * 2 - 3) + 8, steps
+    assert steps[LOG_EVERY]["transfers_from_device"] > 0, steps

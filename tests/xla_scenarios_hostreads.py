@@ -85,14 +85,14 @@ def _recorder(rank: int) -> Any:
 
 
 def host_reads_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str, max_steps: int = 10,
-                   log_every_n_steps: int = 5, signals: list[str] | None = None) -> dict[str, Any]:
+                   log_every_n_steps: int = 5, signals: list[str] | None = None,
+                   extra: list[str] | None = None) -> dict[str, Any]:
     """``max_steps`` optimizer steps of 2 micro-batches each (micro-batch 2, data parallel over ``world``), metrics
     printed every ``log_every_n_steps`` steps, no validation and no checkpoint callback (the steps measured are
     ordinary or logging steps). ``signals``: ``exp_manager.preemption_signals`` (None: the default, which names
-    SIGTERM). Returns ``{"steps": [{"before_step", "executions", "transfers_from_device", "compiles", "rendezvous",
-    ...}], "loop":
-    the training-epoch loop's class name, "micro_batches": 2}`` (counters cumulative; the device counters only on
-    rank 0)."""
+    SIGTERM); ``extra``: more overrides, applied last. Returns ``{"steps": [{"before_step", "executions",
+    "transfers_from_device", "compiles", "rendezvous", ...}], "loop": the training-epoch loop's class name,
+    "micro_batches": 2}`` (counters cumulative; the device counters only on rank 0)."""
     import torch
     from hydra import compose, initialize_config_dir
 
@@ -113,6 +113,7 @@ def host_reads_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_d
     ]
     if signals is not None:
         overrides.append(f"+exp_manager.preemption_signals=[{','.join(signals)}]")
+    overrides += extra or []  # e.g. a pipeline layout (docs/experiments/xla_host_reads.md measures PP 2 with it)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     with _LOCK:
         with initialize_config_dir(config_dir=f"{repo}/conf", version_base=None):

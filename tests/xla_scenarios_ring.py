@@ -79,3 +79,32 @@ def train_packed(rank: int, world: int, grads: bool = False, **kwargs: Any) -> d
     if grads:
         result["first_grads"] = _FIRST_GRADS[key]
     return result
+
+
+def ring_kernel_on_one_device(rank: int, world: int) -> dict[str, Any]:
+    """The ring kernel on one XLA device (``over_context_parallel=False``: the compiled layer's document-masked
+    attention), forward and backward of fixed random inputs; returns the CPU fallback ops and device-to-host
+    transfers counted while tracing and running them, the output, the q/k/v gradients and the inputs (nested lists)."""
+    import torch
+    import torch_xla.debug.metrics as met
+
+    from nxd_lc.context import ring_attention
+    from nxd_lc.runtime import xla as xla_runtime
+
+    device = xla_runtime.xla_device()
+    torch.manual_seed(0)
+    b, n = 2, 12  # a small graph: XLA:CPU compiles every tile pair
+    q, k, v, grad = torch.randn(b, 4, n, 8), torch.randn(b, 2, n, 8), torch.randn(b, 2, n, 8), torch.randn(b, 4, n, 8)
+    seg = torch.tensor([[0] * 5 + [1] * 4 + [2] * 3, [0] * 12])
+    leaves = [t.to(device).requires_grad_() for t in (q, k, v)]
+    seg_x, grad_x = seg.to(device), grad.to(device)
+    xla_runtime.sync()
+    met.clear_all()
+    out = ring_attention(*leaves, segment_ids=seg_x, tile_size=5, over_context_parallel=False)
+    out.backward(grad_x)
+    xla_runtime.sync()
+    fallbacks = [name for name in met.counter_names() if name.startswith("aten::")]
+    transfers = met.metric_data("TransferFromDeviceTime")
+    return {"fallback_ops": fallbacks, "transfers": 0 if transfers is None else int(transfers[0]),
+            "out": out.cpu().tolist(), "grads": [t.grad.cpu().tolist() for t in leaves],
+            "inputs": {"q": q.tolist(), "k": k.tolist(), "v": v.tolist(), "seg": seg.tolist(), "grad": grad.tolist()}}

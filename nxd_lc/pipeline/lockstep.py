@@ -19,10 +19,10 @@ The schedule (``S = PP x V`` stages, stage ``k`` on pipeline rank ``k mod PP``, 
   no stage of the pipeline sends anything (known from the schedule, so the same on every rank) has no exchange and
   no cut: its compute joins the next tick's graph.
 
-Training takes ``m + 2S - 2`` ticks, forward-only ``m + S - 1``; the number of graphs per step is therefore about
-``2 (m + 2S - 2)``, the same on every rank. Gradients, losses and objective records equal those of the 1F1B path
-(:class:`torch.distributed.pipelining.Schedule1F1B`): the same micro-batches, the same loss scaling, only the order
-in which micro-batch gradients are summed differs (fp32 rounding).
+Training takes ``m + 2S - 2`` ticks, forward-only ``m + S - 1``; every tick but the last exchanges, so a training
+call cuts ``2 (m + 2S - 3)`` graphs, the same on every rank. Gradients, losses and objective records equal those
+of the 1F1B path (:class:`torch.distributed.pipelining.Schedule1F1B`): the same micro-batches, the same loss
+scaling, only the order in which micro-batch gradients are summed differs (fp32 rounding).
 
 What it costs against 1F1B on an eager device: stage ``k`` holds the activations of up to ``2 (S - 1 - k) + 1``
 micro-batches (1F1B: ``S - k``), because each hop takes one tick; with ``V > 1`` the tick-level lockstep does not
