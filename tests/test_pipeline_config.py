@@ -100,3 +100,18 @@ def test_preference_training_with_pipeline_needs_precomputed_reference() -> None
     raw["model_alignment_strategy"] = {"dpo": {"precompute_ref_log_probs": False}}
     (p,) = _problems(raw)
     assert p.startswith("model_alignment_strategy.dpo.precompute_ref_log_probs: false") and "set it true" in p
+
+
+@pytest.mark.parametrize("key,extra", [
+    ("activations_checkpoint_save_attention", {"activations_checkpoint_granularity": "full"}),
+    ("activations_offload", {"activations_checkpoint_granularity": "full"}),
+])
+def test_checkpoint_variants_without_a_torch_xla_form_are_refused_on_xla(key: str, extra: dict[str, Any]) -> None:
+    """torch-xla's activation checkpoint recomputes whole modules (reentrant): save-attention and offload are
+    refused on xla, naming the key, and accepted on CPU."""
+    raw = _cfg(pp=1, devices=1, **{key: True, **extra})
+    assert unsupported_features(load_config(raw, check_paths=False)) == []  # CPU
+    raw["trainer"]["accelerator"] = "xla"
+    problems = _problems(raw)
+    assert any(p.startswith(f"not supported yet: model.{key}: true on trainer.accelerator xla") for p in problems), \
+        problems

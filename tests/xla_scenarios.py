@@ -233,6 +233,59 @@ def _job_recorder() -> Any:
     return recorder
 
 
+def nxdt_job(rank: int, world: int, config_dir: str, config_name: str, overrides: list[str]) -> dict[str, Any]:
+    """An NxDT example file (``config_dir/config_name.yaml``, unchanged) composed with ``overrides`` (the shrinking
+    ones of ``tests/test_nxdt_examples.py``) and ``trainer.accelerator=xla``, run through ``train.py``'s code path
+    (:func:`nxd_lc.app.run.run`) in this device thread. Returns the recorded steps (loss, gradient norm, learning
+    rate), the validation losses and the step reached."""
+    from hydra import compose, initialize_config_dir
+
+    from nxd_lc.app.run import run
+    from nxd_lc.config.resolvers import register_resolvers
+
+    _install_job_hooks()
+    recorder = _job_recorder()
+    recorder.stop_after = None
+    with _JOB_LOCK:
+        register_resolvers()  # ${multiply:...} in NxDT's files
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            raw = compose(config_name=config_name, overrides=[*overrides, "+trainer.accelerator=xla"])
+    _THREAD.recorder = recorder
+    trainer = run(raw)
+    return {"steps": {str(k): v for k, v in sorted(recorder.steps.items())},
+            "vals": {str(k): v for k, v in sorted(recorder.vals.items())}, "global_step": int(trainer.global_step)}
+
+
+def _install_job_hooks() -> None:
+    """Once per process: the trainer gets this thread's recorder, and model construction takes the process-global
+    CPU generator one thread at a time, seeded from the run's seed (as each process of a real node would)."""
+    import torch
+
+    import nxd_lc.app.run as run_module
+    import nxd_lc.lightning.trainer as trainer_module
+
+    with _JOB_LOCK:
+        if hasattr(trainer_module.build_trainer, "_testbed"):
+            return
+        build = trainer_module.build_trainer
+
+        def build_with_recorder(*args: Any, **kwargs: Any) -> Any:
+            trainer = build(*args, **kwargs)
+            trainer.callbacks.append(_THREAD.recorder)
+            return trainer
+
+        build_with_recorder._testbed = True  # type: ignore[attr-defined]
+        trainer_module.build_trainer = build_with_recorder
+        build_model = run_module.build_model
+
+        def build_model_alone(cfg: Any, *args: Any, **kwargs: Any) -> Any:
+            with _BUILD_LOCK:
+                torch.manual_seed(cfg.seed)
+                return build_model(cfg, *args, **kwargs)
+
+        run_module.build_model = build_model_alone
+
+
 def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str, max_steps: int,
             overrides: list[str], stop_after: int | None = None) -> dict[str, Any]:
     """``train.py``'s code path (:func:`nxd_lc.app.run.run` on the composed ``cpu_tiny_llama_config``) in this
@@ -242,11 +295,8 @@ def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str
     that of ``max_steps``). Returns the recorded steps (loss, gradient norm, learning rate), the validation losses,
     a digest of this rank's final weights (sum of squares per parameter) and the checkpoint the run resumed from
     (None: a fresh start)."""
-    import torch
     from hydra import compose, initialize_config_dir
 
-    import nxd_lc.app.run as run_module
-    import nxd_lc.lightning.trainer as trainer_module
     from nxd_lc.app.run import run
 
     recorder = _job_recorder()
@@ -264,29 +314,10 @@ def run_job(rank: int, world: int, run_dir: str, corpus: str, tokenizer_dir: str
         "exp_manager.create_tensorboard_logger=false", "exp_manager.log_gradient_norm=true",
     ]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _install_job_hooks()
     with _JOB_LOCK:
         with initialize_config_dir(config_dir=f"{repo}/conf", version_base=None):
             raw = compose(config_name="cpu_tiny_llama_config", overrides=base + overrides)
-        if not hasattr(trainer_module.build_trainer, "_testbed"):
-            build = trainer_module.build_trainer
-
-            def build_with_recorder(*args: Any, **kwargs: Any) -> Any:
-                trainer = build(*args, **kwargs)
-                trainer.callbacks.append(_THREAD.recorder)
-                return trainer
-
-            build_with_recorder._testbed = True  # type: ignore[attr-defined]
-            trainer_module.build_trainer = build_with_recorder
-            build_model = run_module.build_model
-
-            def build_model_alone(cfg: Any, *args: Any, **kwargs: Any) -> Any:
-                # the CPU generator that initialises the weights is process-wide here (one process per device on
-                # a real node): one thread at a time, from the run's seed, as each process would
-                with _BUILD_LOCK:
-                    torch.manual_seed(cfg.seed)
-                    return build_model(cfg, *args, **kwargs)
-
-            run_module.build_model = build_model_alone
     _THREAD.recorder = recorder
     trainer = run(raw)
     model = trainer.lightning_module.model
@@ -308,3 +339,49 @@ def _model_parallel(overrides: list[str]) -> int:
                          "distributed_strategy.pipeline_model_parallel_size=")):
             size *= int(o.split("=")[1])
     return size
+
+
+def checkpointing_on_xla(rank: int, world: int) -> dict[str, Any]:
+    """Activation checkpointing on one XLA device (torch-xla's reentrant checkpoint): the 2-layer test Llama's
+    loss and every gradient with ``selective`` ([CoreAttention, LlamaMLP]) granularity against the same model
+    without checkpointing, and ``full`` with a frozen embedding (the layers' inputs then need no grad:
+    the LoRA case) against no checkpointing with the same frozen embedding. Returns per case the largest absolute
+    differences of loss and gradients, and whether every trainable parameter got a gradient."""
+    import copy
+
+    import torch
+    import torch_xla
+
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.layers.param_attrs import move_module
+    from nxd_lc.models.common.checkpointing import apply_activation_checkpointing
+    from nxd_lc.models.llama import LlamaForCausalLM
+
+    ps.initialize_model_parallel()
+    device = torch_xla.device()
+    with _BUILD_LOCK:
+        torch.manual_seed(0)
+        base = LlamaForCausalLM(_llama_config())
+    ids = torch.randint(0, VOCAB, (2, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    batch = (ids[:, :-1].to(device), ids[:, 1:].to(device))
+
+    def grads(granularity: str | None, recompute: list[str] | None, frozen_embedding: bool) -> tuple[Any, dict]:
+        model = move_module(copy.deepcopy(base), device)
+        if frozen_embedding:
+            model.embed_tokens.weight.requires_grad_(False)
+        if granularity is not None:
+            apply_activation_checkpointing(model, granularity, recompute)
+        loss_sum, count = model.loss(*batch)
+        (loss_sum / count).backward()
+        torch_xla.sync()
+        return float(loss_sum / count), {n: p.grad.cpu() for n, p in model.named_parameters()
+                                         if p.requires_grad and p.grad is not None}
+
+    out = {}
+    for name, gran, rec, frozen in (("selective", "selective", ["CoreAttention", "LlamaMLP"], False),
+                                    ("full_frozen_embedding", "full", None, True)):
+        ref_loss, ref = grads(None, None, frozen)
+        loss, got = grads(gran, rec, frozen)
+        out[name] = {"loss": abs(loss - ref_loss), "same_params": sorted(got) == sorted(ref) and len(ref) > 0,
+                     "grad": max(float((got[n] - ref[n]).abs().max()) for n in ref)}
+    return out

@@ -330,9 +330,10 @@ def barrier(group: ProcessGroup | None = None) -> None:
     elif group_size(group) == 1:
         return
     if "xla" in _backend(group if group is not None else dist.group.WORLD):
-        from nxd_lc.runtime.xla import xla_device
+        from nxd_lc.runtime.xla import sync, xla_device
 
-        token = torch.zeros(1, device=xla_device())
+        sync()  # pending work first: the all-reduce's graph must be the same on every rank (pipeline stages differ)
+        token = torch.zeros(1).to(xla_device())  # uploaded: a zero made on the device is a constant of the graph
         dist.all_reduce(token, group=group)
         token.cpu()  # waits for the collective: every rank of the group has arrived
         return

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from nxd_lc.app.validation.parallel import lazy_neuron_or_xla
 from nxd_lc.config.access import data_parallel_size, model_seq_length
 from nxd_lc.config.schema import CHECKPOINT_METHODS, NxdConfig, checkpoint_method_problems
 from nxd_lc.layers.fusions import FUSION_KEYS, fusion_problems
@@ -77,6 +78,12 @@ def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
         if m.activations_checkpoint_granularity != "full" or m.activations_checkpoint_save_attention:
             p.append("model.activations_offload: true offloads the inputs of whole recomputed layers: it needs "
                      "model.activations_checkpoint_granularity: full and activations_checkpoint_save_attention: false")
+    if lazy_neuron_or_xla(cfg.trainer.accelerator):  # torch-xla's checkpoint: whole modules, reentrant
+        for key in ("activations_checkpoint_save_attention", "activations_offload"):
+            if getattr(m, key):
+                p.append(f"not supported yet: model.{key}: true on trainer.accelerator {cfg.trainer.accelerator} "
+                         "(torch-xla's activation checkpoint recomputes whole modules: no selective policy, no "
+                         "offload hooks); set it false")
     if m.activations_offload and m.compile is True:
         p.append("model.activations_offload: not supported with model.compile: true (the offloading checkpoint is "
                  "reentrant, which torch.compile does not trace); set model.compile: auto or false")

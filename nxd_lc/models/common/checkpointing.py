@@ -142,6 +142,8 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
+    if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args):
+        return _xla_checkpoint(forward, module, args, kwargs)
     if getattr(module, _OFFLOAD, False) and not kwargs and args and isinstance(args[0], torch.Tensor) \
             and args[0].requires_grad:
         return _offloaded_checkpoint(forward, module, *args)
@@ -158,6 +160,33 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     else:
         context_fn = _recompute_without_tiled_outputs
     return checkpoint(forward, module, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+
+def _xla_checkpoint(forward: Any, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """The module's forward under torch-xla's checkpoint (``torch_xla.utils.checkpoint.checkpoint``): torch's
+    non-reentrant checkpoint asks ``torch.xla`` for a device module, which does not exist (an AttributeError at the
+    first checkpointed forward), and XLA's compiler would merge a plain recomputation with the forward it repeats
+    (common-subexpression elimination) unless an optimization barrier separates them, which torch-xla's reentrant
+    checkpoint inserts (NxD uses it too). Keyword arguments are bound (the reentrant form takes none); when no
+    tensor input requires grad (a frozen embedding under LoRA) the first one is made a leaf that does, so the
+    recomputation still gives the module's parameters their gradients (its own gradient is discarded).
+
+    Raises:
+        NotImplementedError: ``activations_checkpoint_save_attention`` or ``activations_offload`` on the module
+            (torch-xla's checkpoint has no selective policy and no offload hooks; validation refuses both keys on
+            torch-xla, so this is reached only through ``model.activations_memory_budget``).
+    """
+    if getattr(module, _SAVE_ATTENTION, False) or getattr(module, _OFFLOAD, False):
+        raise NotImplementedError(
+            "model.activations_checkpoint_save_attention / model.activations_offload: not supported on torch-xla "
+            "(torch-xla's checkpoint recomputes whole modules, without a selective policy or offload); set them "
+            "false (with model.activations_memory_budget: choose the memory keys by hand)")
+    import torch_xla.utils.checkpoint as xla_checkpoint
+
+    if not any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        first = next(i for i, a in enumerate(args) if isinstance(a, torch.Tensor) and a.is_floating_point())
+        args = (*args[:first], args[first].detach().requires_grad_(), *args[first + 1:])
+    return xla_checkpoint.checkpoint(functools.partial(forward, module, **kwargs), *args)
 
 
 def offload_context(pin_memory: bool) -> contextlib.AbstractContextManager:
