@@ -4,7 +4,7 @@
   leaves stage ``k`` one tick before stage ``k + 1`` uses it, a gradient likewise backwards), for many shapes;
 * the runner on CPU, with an exchange written here from the permute's definition, against plain autograd over the
   unsplit model (loss and every gradient), for 2 and 3 stages and interleaved stages;
-* the permute pairs (ring only with virtual stages).
+* the permute pairs (:func:`nxd_lc.distributed.collectives.shift_pairs`; a ring only with virtual stages).
 
 The runner on real XLA collectives (the same schedule on the multi-device test bed, against one XLA device):
 ``tests/test_xla_pipeline.py``.
@@ -16,7 +16,8 @@ import pytest
 import torch
 from torch import nn
 
-from nxd_lc.pipeline.lockstep import LockstepPlan, LockstepRunner, permute_pairs
+from nxd_lc.distributed.collectives import shift_pairs
+from nxd_lc.pipeline.lockstep import LockstepPlan, LockstepRunner
 
 SHAPES = [(s, m) for s in (1, 2, 3, 4, 6) for m in (1, 2, 3, 5, 8)]
 
@@ -58,12 +59,13 @@ def test_forward_only_plan() -> None:
     assert not any(plan.sends_backward(t) for t in range(plan.num_ticks))
 
 
-def test_permute_pairs() -> None:
+def test_shift_pairs() -> None:
     groups = [[0, 2, 4], [1, 3, 5]]  # PP = 3 over two (DP/TP) positions
-    assert permute_pairs(groups, 1, forward=True) == [(0, 2), (1, 3), (2, 4), (3, 5)]
-    assert permute_pairs(groups, 1, forward=False) == [(2, 0), (3, 1), (4, 2), (5, 3)]
-    assert permute_pairs(groups, 2, forward=True) == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 0), (5, 1)]
-    assert permute_pairs(groups, 2, forward=False) == [(0, 4), (1, 5), (2, 0), (3, 1), (4, 2), (5, 3)]
+    assert shift_pairs(groups, 1, ring=False) == [(0, 2), (1, 3), (2, 4), (3, 5)]
+    assert shift_pairs(groups, -1, ring=False) == [(2, 0), (3, 1), (4, 2), (5, 3)]
+    assert shift_pairs(groups, 1, ring=True) == [(0, 2), (1, 3), (2, 4), (3, 5), (4, 0), (5, 1)]
+    assert shift_pairs(groups, -1, ring=True) == [(0, 4), (1, 5), (2, 0), (3, 1), (4, 2), (5, 3)]
+    assert shift_pairs([[7]], 1, ring=True) == []  # a group of one rank sends nothing
 
 
 # ---- the runner on CPU, all pipeline ranks in one process --------------------------------------------------------
@@ -137,8 +139,8 @@ def test_runner_equals_autograd_over_the_whole_model(pp: int, virtual: int, micr
             torch.autograd.set_multithreading_enabled(False)
             r = LockstepRunner([stages[rank + v * pp] for v in range(virtual)], pipeline_size=pp, pipeline_rank=rank,
                                stream=[((ROWS, 5, H), torch.float32)],
-                               forward_pairs=permute_pairs(groups, virtual, True),
-                               backward_pairs=permute_pairs(groups, virtual, False), exchange=make_exchange(rank),
+                               forward_pairs=shift_pairs(groups, 1, ring=virtual > 1),
+                               backward_pairs=shift_pairs(groups, -1, ring=virtual > 1), exchange=make_exchange(rank),
                                device=torch.device("cpu"))
             kwargs = [{"labels": lab} for lab in labels.chunk(micro)]
             results[rank] = r.run(micro, True, ids.chunk(micro), kwargs, cut=lambda: None)

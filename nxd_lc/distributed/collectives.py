@@ -272,9 +272,28 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     return RingExchange(list(works), sent, received)
 
 
-def _xla_ring_pairs(group: ProcessGroup) -> list[list[int]]:
-    """``[source, target]`` global ordinals of the ring (group rank ``r`` -> ``r + 1``, ranks in increasing order as
-    ``torch.distributed`` numbers them) of every group of ``group``'s partition.
+def shift_pairs(groups: Sequence[Sequence[int]], step: int, ring: bool) -> list[tuple[int, int]]:
+    """``(source, target)`` global ranks of a shift by ``step`` (+1: to the next rank, -1: to the previous) inside
+    each group of ``groups`` (ranks by their position in the group), over every group at once, so that all ranks
+    build the same list (an XLA ``collective_permute`` must be the same call on every rank). With ``ring`` the
+    shift wraps around each group; without, the ends drop out (the first rank receives nothing forward). Groups of
+    one rank give no pair."""
+    pairs = []
+    for ranks in groups:
+        p = len(ranks)
+        for r in range(p if p > 1 else 0):
+            t = r + step
+            if ring:
+                t %= p
+            elif not 0 <= t < p:
+                continue
+            pairs.append((int(ranks[r]), int(ranks[t])))
+    return sorted(pairs)
+
+
+def _xla_ring_pairs(group: ProcessGroup) -> list[tuple[int, int]]:
+    """``(source, target)`` global ordinals of the ring (group rank ``r`` -> ``r + 1``, ranks in increasing order as
+    ``torch.distributed`` numbers them) of every group of ``group``'s partition (:func:`shift_pairs`).
 
     The partition is the mesh :func:`new_group` gave torch-xla's process group (e.g. every CP group at once, so a
     CP ring at TP = 2 sends 0->2, 2->0, 1->3, 3->1 on every rank); a group created without one (torch-xla's
@@ -282,18 +301,13 @@ def _xla_ring_pairs(group: ProcessGroup) -> list[list[int]]:
     """
     # torch-xla's ProcessGroupXla is the group object itself (a Python ProcessGroup) and keeps the mesh in _mesh
     mesh = getattr(group, "_mesh", None) or [dist.get_process_group_ranks(group)]
-    pairs = []
-    for ranks in mesh:
-        ring = sorted(int(r) for r in ranks)
-        if len(ring) > 1:
-            pairs += [[src, ring[(i + 1) % len(ring)]] for i, src in enumerate(ring)]
-    return pairs
+    return shift_pairs([sorted(int(r) for r in ranks) for ranks in mesh], 1, ring=True)
 
 
-def _xla_ring_permute(tensors: list[torch.Tensor], pairs: list[list[int]]) -> list[torch.Tensor]:
-    """Send ``tensors`` along ``pairs`` with one ``xm.collective_permute`` per dtype; the received tensors, in
-    input order and shapes."""
-    import torch_xla.core.xla_model as xm
+def _xla_ring_permute(tensors: list[torch.Tensor], pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Send ``tensors`` along ``pairs`` with one ``collective_permute`` per dtype
+    (:func:`nxd_lc.runtime.xla.collective_permute`); the received tensors, in input order and shapes."""
+    from nxd_lc.runtime.xla import collective_permute
 
     received: list[torch.Tensor] = list(tensors)  # every slot is replaced below
     by_dtype: dict[torch.dtype, list[int]] = {}
@@ -301,7 +315,7 @@ def _xla_ring_permute(tensors: list[torch.Tensor], pairs: list[list[int]]) -> li
         by_dtype.setdefault(t.dtype, []).append(i)
     for indices in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        parts = xm.collective_permute(flat, pairs).split([tensors[i].numel() for i in indices])
+        parts = collective_permute(flat, pairs).split([tensors[i].numel() for i in indices])
         for i, part in zip(indices, parts):
             received[i] = part.view(tensors[i].shape)
     return received

@@ -35,7 +35,7 @@ from torch import nn
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.distributed.collectives import stage_all_reduce
-from nxd_lc.pipeline.lockstep import LockstepRunner, permute_pairs
+from nxd_lc.pipeline.lockstep import LockstepRunner
 from nxd_lc.pipeline.split import stages_of_rank
 from nxd_lc.pipeline.stage import (
     CAUSAL_LM_SUMS,
@@ -190,7 +190,14 @@ class PipelineEngine:
         return stage_all_reduce(local, ps.get_pipeline_model_parallel_group())[0]
 
     def _lockstep(self, seq_local: int, device: torch.device) -> LockstepRunner:
-        """The torch-xla schedule (:mod:`nxd_lc.pipeline.lockstep`) for this sequence length."""
+        """The torch-xla schedule (:mod:`nxd_lc.pipeline.lockstep`) for this sequence length, built for the first
+        batch of a shape and kept (as the torch schedules)."""
+        key = ("lockstep", seq_local, str(device), self._activation_dtype())
+        if key not in self._schedules:
+            self._schedules[key] = self._build_lockstep(seq_local, device)
+        return self._schedules[key]
+
+    def _build_lockstep(self, seq_local: int, device: torch.device) -> LockstepRunner:
         hidden = self.model.config.hidden_size
         tp = ps.get_tensor_model_parallel_world_size()
         stream = [(stage_activation_shape(self.micro_batch_size, seq_local, hidden, tp, self.sequence_parallel),
@@ -201,8 +208,8 @@ class PipelineEngine:
                                 self.pp, ps.get_context_parallel_world_size())["pp"]
         return LockstepRunner(self.stage_modules, pipeline_size=self.pp,
                               pipeline_rank=ps.get_pipeline_model_parallel_rank(), stream=stream,
-                              forward_pairs=permute_pairs(groups, self.virtual_size, forward=True),
-                              backward_pairs=permute_pairs(groups, self.virtual_size, forward=False),
+                              forward_pairs=collectives.shift_pairs(groups, 1, ring=self.virtual_size > 1),
+                              backward_pairs=collectives.shift_pairs(groups, -1, ring=self.virtual_size > 1),
                               exchange=collective_permute, device=device)
 
     def train_step(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

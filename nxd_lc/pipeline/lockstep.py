@@ -87,23 +87,6 @@ class LockstepPlan:
         return any(self.backward_of(k, tick) is not None for k in range(1, self.num_stages))
 
 
-def permute_pairs(pipeline_groups: Sequence[Sequence[int]], virtual_size: int, forward: bool) -> list[tuple[int, int]]:
-    """``(source, target)`` global ranks of one exchange over every pipeline group at once (the same list on every
-    rank): forward ``r -> r + 1``, backward ``r -> r - 1`` within each group (by pipeline rank), closed into a ring
-    when ``virtual_size > 1`` (stage ``k`` on the last rank feeds stage ``k + 1`` on the first)."""
-    pairs = []
-    for ranks in pipeline_groups:
-        p = len(ranks)
-        for r in range(p):
-            t = r + 1 if forward else r - 1
-            if virtual_size > 1:
-                t %= p
-            elif not 0 <= t < p:
-                continue
-            pairs.append((ranks[r], ranks[t]))
-    return sorted(pairs)
-
-
 class LockstepRunner:
     """Runs the :class:`LockstepPlan` for this rank's stage modules.
 
@@ -114,7 +97,9 @@ class LockstepRunner:
         pipeline_rank: this rank's index in its pipeline group.
         stream: ``[(shape, dtype)]`` of the tensors a stage passes on (the residual stream ``[B, S(/tp), H]``, then
             any carried statistics); their gradients travel back with the same shapes.
-        forward_pairs, backward_pairs: :func:`permute_pairs` of the two directions.
+        forward_pairs, backward_pairs: ``(source, target)`` global ranks of the two directions over every
+            pipeline group (:func:`nxd_lc.distributed.collectives.shift_pairs`: +1 and -1, a ring when ``V > 1``, so
+            stage ``k`` on the last rank feeds stage ``k + 1`` on the first).
         exchange: the collective (:data:`Exchange`); on torch-xla a ``collective_permute``.
         device: where the zero buffers live.
     """

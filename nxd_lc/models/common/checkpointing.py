@@ -53,6 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 from nxd_lc.config.schema import CHECKPOINT_METHODS, checkpoint_method_problems
 from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
 from nxd_lc.models.common.mlp import GeluMLP, LlamaMLP
+from nxd_lc.runtime.xla import is_xla_tensor
 
 if TYPE_CHECKING:
     from nxd_lc.config.schema import ModelConfig
@@ -142,7 +143,7 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
-    if any(isinstance(a, torch.Tensor) and a.device.type == "xla" for a in args):
+    if any(isinstance(a, torch.Tensor) and is_xla_tensor(a) for a in args):
         return _xla_checkpoint(forward, module, args, kwargs)
     if getattr(module, _OFFLOAD, False) and not kwargs and args and isinstance(args[0], torch.Tensor) \
             and args[0].requires_grad:
