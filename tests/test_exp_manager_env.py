@@ -107,12 +107,31 @@ def test_env_mapping_existing_variables_win() -> None:
     assert env["NEURON_CC_FLAGS"] == "--foo --auto-cast none --model-type transformer"
 
 
-@pytest.mark.parametrize("ptype,expected", [("bf16SR", ("1", "0", "1")), ("mixed_precision", ("0", "1", "0")),
-                                            ("mixed_precisionSR", ("0", "1", "1"))])
-def test_precision_env_per_nxdt_table(ptype: str, expected: tuple[str, str, str]) -> None:
+@pytest.mark.parametrize("ptype,sr", [("bf16SR", "1"), ("mixed_precision", "0"), ("mixed_precisionSR", "1"),
+                                      ("manual", "0")])
+def test_precision_env_never_turns_float32_into_bf16(ptype: str, sr: str) -> None:
+    """Issue 38: NxDT sets XLA_USE_BF16=1 (bf16SR) / XLA_DOWNCAST_BF16=1 (mixed_precision*), under which torch-xla
+    stores every float32 tensor -- master weights included -- as bf16. nxd_lc sets both to '0' in every mode (bf16
+    parameters by explicit casts) and keeps the runtime's stochastic-rounding switch of the SR modes."""
     cfg = _cfg()
     cfg.precision.type = ptype
+    if ptype == "manual":
+        cfg.precision.xla_downcast_bf16, cfg.precision.master_weights = "1", True
     env: dict[str, str] = {}
     apply_env(cfg, environ=env)
     got = (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"])
-    assert got == expected and "--enable-mixed-precision-accumulation" in env["NEURON_CC_FLAGS"]
+    assert got == ("0", "0", sr)
+    if ptype != "manual":
+        assert "--enable-mixed-precision-accumulation" in env["NEURON_CC_FLAGS"]
+
+
+@pytest.mark.parametrize("value,on", [("1", True), ("true", True), (" 2", True), ("0", False), ("false", False),
+                                      ("TRUE", False), ("", False), ("yes", False), ("-1", True)])
+def test_preset_bf16_flags_read_as_torch_xla_reads_them(value: str, on: bool) -> None:
+    """torch-xla's GetEnvBool: 'true' / 'false' exactly, else C atoi != 0 (pytorch/xla runtime/sys_util.cc)."""
+    from nxd_lc.runtime.env import preset_bf16_flags
+
+    lines = preset_bf16_flags({"XLA_DOWNCAST_BF16": value})
+    assert bool(lines) is on
+    if on:
+        assert lines[0].startswith(f"XLA_DOWNCAST_BF16={value} is set in the environment") and "unset" in lines[0]

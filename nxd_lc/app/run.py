@@ -46,13 +46,29 @@ def dry_run(cfg: NxdConfig) -> str:
              f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
              f" seq_length {seq_length(cfg)}",
-             f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in memory_report(cfg)),
+             f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in _device_precision(cfg, env)),
+             *(f"# {line}" for line in memory_report(cfg)),
              "# environment it would set (variables already set in the environment win):", table]
     problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
     if problems:
         lines.append("# launching this config would stop with:")
         lines += [f"#   - {p}" for p in problems]
     return "\n".join(lines)
+
+
+def _device_precision(cfg: NxdConfig, env: Mapping[str, str]) -> list[str]:
+    """The precision line of the tensors' on-device dtypes on xla / neuron (none on cpu / gpu, where a dtype is what
+    it says), under the run's environment ``env``: :meth:`~nxd_lc.precision.PrecisionPolicy.describe_on_device`."""
+    from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
+
+    acc = cfg.trainer.accelerator
+    if is_lazy_config_accelerator(acc):
+        platform = "xla" if acc == "xla" else "neuron"
+    elif acc in ("neuron", "auto") and neuron_resolution() == "neuron_native":
+        platform = "neuron_native"
+    else:
+        return []
+    return [f"{cfg.precision.type} {resolve_precision(cfg).describe_on_device(platform, env)}"]
 
 
 def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[str, Any]] = None) -> Any:
@@ -131,6 +147,8 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     if runtime.rank == 0:
         log.info("effective environment:\n%s", format_env_table(env_entries))
         log.info("%s", resolve_precision(cfg).describe())
+        for line in _device_precision(cfg, os.environ):
+            log.info("%s", line)
         log.info("log dir: %s", paths.log_dir)
     pl.seed_everything(cfg.seed, workers=True)
     hf_config, model = _build_and_move(cfg, runtime)

@@ -12,12 +12,14 @@
 * gradient: the fp32 ``main_grad`` buffer (fp32 gradient accumulation, :func:`install_fp32_grad_accumulation`)
   or the parameter's ``.grad`` cast to fp32, sliced to this rank's shard under ZeRO-1;
 * after the inner step the fp32 result is written back to the parameter: round-to-nearest, or **stochastic
-  rounding** to bf16 (:func:`nxd_lc.precision.stochastic_round_to_bf16`, unbiased); under ZeRO-1 the rounded
-  shards are all-gathered over DP x CP;
+  rounding** to bf16 (:func:`nxd_lc.precision.stochastic_round_to_bf16`, unbiased; a plain cast where Neuron's
+  runtime rounds stochastically itself, :func:`~nxd_lc.precision.stochastic_rounding.hardware_rounding`); under
+  ZeRO-1 the rounded shards are all-gathered over DP x CP;
 * the step runs in buckets of ~64 MiB of fp32 working data (the inner optimizer skips tensors without a
   gradient), so transient fp32 copies exist for one bucket at a time;
-* optimizer state is kept in ``optim_state_dtype`` between steps (bf16 for bf16SR + adamw, as on Trainium where
-  ``XLA_USE_BF16`` makes the state bf16) and computed in fp32 during the step.
+* optimizer state is kept in ``optim_state_dtype`` between steps (bf16 for bf16SR + adamw, as NxDT's bf16SR
+  keeps it under ``XLA_USE_BF16``) and computed in fp32 during the step. On torch-xla every fp32 tensor here is
+  fp32 on the device: nxd_lc never sets ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16`` (:mod:`nxd_lc.runtime.env`).
 
 Expert parameters (flag ``expert_model_parallel``, :mod:`nxd_lc.moe`) are distinct on each rank of an EP group:
 under ZeRO-1 they are sharded over their expert-data-parallel x CP group (the ranks that hold the same experts),
@@ -45,7 +47,7 @@ from torch import nn
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.precision.policy import PrecisionPolicy
-from nxd_lc.precision.stochastic_rounding import stochastic_round_to_bf16
+from nxd_lc.precision.stochastic_rounding import hardware_rounding, stochastic_round_to_bf16
 from nxd_lc.runtime.accel import HOST
 
 ParamGroup = dict[str, Any]
@@ -138,6 +140,8 @@ class NxDOptimizer(torch.optim.Optimizer):
         device = self.slots[0].param.device if self.slots else HOST
         self._generator = torch.Generator(device=device.type if device.type != "xla" else HOST.type)
         self._generator.manual_seed(int(seed) + 7919 * self._rank)
+        # stochastic rounding in software, unless Neuron's runtime already rounds the cast (hardware_rounding)
+        self._software_sr = policy.stochastic_rounding and not hardware_rounding(device)
         super().__init__([s.work for s in self.slots], dict(self.inner.defaults))
         self.param_groups = self.inner.param_groups
         self.state = self.inner.state
@@ -222,7 +226,7 @@ class NxDOptimizer(torch.optim.Optimizer):
     def _rounded(self, s: _Slot) -> torch.Tensor:
         """The working tensor in the parameter's dtype (stochastic rounding when the policy says so)."""
         w = s.work.detach()
-        if s.param.dtype == torch.bfloat16 and self.policy.stochastic_rounding:
+        if s.param.dtype == torch.bfloat16 and self._software_sr:
             gen = self._generator if self._generator.device.type == w.device.type else None
             return stochastic_round_to_bf16(w, gen)
         return w.to(s.param.dtype)

@@ -29,12 +29,15 @@ handling (facts in ``shared/reference/nxdt_hf_llama3_8B_config.yaml``).
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.runtime.env import flag_on
 
 #: NxDT's ``precision.type`` values (``mixed_precision_SR`` is read as ``mixed_precisionSR``).
 PRECISION_TYPES = ("bf16SR", "fp32", "autocast", "mixed_precision", "mixed_precisionSR", "manual")
@@ -57,6 +60,11 @@ class PrecisionPolicy:
         stochastic_rounding: the fp32 -> bf16 parameter update is rounded stochastically (unbiased).
         optim_state_dtype: dtype optimizer state tensors are stored in between steps.
         reduce_dtype: dtype of TP/SP collectives.
+        grad_reduce_fp32: bf16 gradients are all-reduced over DP in fp32 (``precision.fp32_grads_cc``).
+
+    On torch-xla these dtypes are what the device holds: nxd_lc never sets ``XLA_USE_BF16`` /
+    ``XLA_DOWNCAST_BF16`` and refuses them preset (:mod:`nxd_lc.runtime.env`); :meth:`describe_on_device` states
+    the on-device dtype of every tensor class from torch-xla's own rule (:func:`device_dtype`).
     """
 
     mode: str
@@ -67,6 +75,32 @@ class PrecisionPolicy:
     stochastic_rounding: bool
     optim_state_dtype: torch.dtype
     reduce_dtype: torch.dtype
+    grad_reduce_fp32: bool = False
+
+    def tensor_dtypes(self) -> dict[str, Optional[torch.dtype]]:
+        """The dtype each tensor class of a training step is held or computed in, as nxd_lc asks for it (None: the
+        mode has no such tensor). Classes: ``parameters``, ``gradients`` (``param.grad``), ``grad accumulation``
+        (``main_grad`` or ``.grad``), ``master weights``, ``optimizer state``, ``SR working copy`` (the fp32 sum the
+        software stochastic rounding rounds), ``TP/SP reductions``, ``DP reductions``, ``norm statistics`` (RMSNorm's
+        mean of squares and rsqrt: float32 in :mod:`nxd_lc.models.common.norm`), ``loss`` (the cross-entropy's
+        log-sum-exp: float32 in :mod:`nxd_lc.layers.cross_entropy`)."""
+        fp32 = torch.float32
+        acc = fp32 if self.fp32_grad_acc or not self.low_precision_params else self.param_dtype
+        return {"parameters": self.param_dtype, "gradients": self.param_dtype, "grad accumulation": acc,
+                "master weights": fp32 if self.master_weights else None, "optimizer state": self.optim_state_dtype,
+                "SR working copy": fp32 if self.stochastic_rounding and self.low_precision_params else None,
+                "TP/SP reductions": self.reduce_dtype,
+                "DP reductions": fp32 if acc == fp32 or self.grad_reduce_fp32 else acc,
+                "norm statistics": fp32, "loss": fp32}
+
+    def describe_on_device(self, platform: str, environ: Optional[Mapping[str, str]] = None) -> str:
+        """One line: the dtype each tensor class of :meth:`tensor_dtypes` has *on the device* of ``platform``
+        ('cpu', 'gpu', 'xla', 'neuron' = torch-xla on Neuron, 'neuron_native'), under ``environ`` (default
+        ``os.environ``): :func:`device_dtype`. The dry run prints it for xla / neuron."""
+        short = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float64: "f64"}
+        cells = [f"{name} {short[device_dtype(dt, platform, environ)]}"
+                 for name, dt in self.tensor_dtypes().items() if dt is not None]
+        return f"on the device ({platform}): " + ", ".join(cells)
 
     def describe(self) -> str:
         """One line naming the dtypes, e.g. for the dry-run report and the startup log."""
@@ -86,6 +120,28 @@ class PrecisionPolicy:
     def low_precision_params(self) -> bool:
         """True when parameters are bf16 (the optimizer then needs :class:`~nxd_lc.optim.MixedPrecisionOptimizer`)."""
         return self.param_dtype != torch.float32
+
+
+def device_dtype(dtype: torch.dtype, platform: str, environ: Optional[Mapping[str, str]] = None) -> torch.dtype:
+    """The dtype a tensor of ``dtype`` is stored and computed in on ``platform`` (module table of
+    ``describe_on_device``).
+
+    On torch-xla ('xla', 'neuron'), pytorch/xla ``torch_xla/csrc/dtype.cpp`` (``MaybeDowncastToXlaDeviceType``):
+    under ``XLA_USE_BF16`` float32 and float64 become bf16; under ``XLA_DOWNCAST_BF16`` float32 becomes bf16 and
+    float64 float32; on a Neuron device float64 is float32 always. Both flags are read as torch-xla reads them
+    (:func:`nxd_lc.runtime.env.preset_bf16_flags`). Elsewhere (CPU, CUDA, the native Neuron device, which has no
+    such flags) a dtype is what it says.
+    """
+    if platform not in ("xla", "neuron"):
+        return dtype
+    env = os.environ if environ is None else environ
+    use_bf16 = flag_on(env.get("XLA_USE_BF16", "0"))
+    downcast = flag_on(env.get("XLA_DOWNCAST_BF16", "0"))
+    if dtype == torch.float64:
+        return torch.bfloat16 if use_bf16 else torch.float32 if (downcast or platform == "neuron") else dtype
+    if dtype == torch.float32 and (use_bf16 or downcast):
+        return torch.bfloat16
+    return dtype
 
 
 def reduce_dtype(name: Optional[str]) -> torch.dtype:
@@ -111,7 +167,8 @@ def resolve_precision(cfg: NxdConfig) -> PrecisionPolicy:
     p = cfg.precision
     fp32_state_optim = cfg.model.optim.name == "adamw_fp32OptState"
     bf16, fp32 = torch.bfloat16, torch.float32
-    common = {"mode": p.type, "reduce_dtype": reduce_dtype(p.parallel_layers_reduce_dtype)}
+    common = {"mode": p.type, "reduce_dtype": reduce_dtype(p.parallel_layers_reduce_dtype),
+              "grad_reduce_fp32": bool(p.fp32_grads_cc)}
     if p.type == "fp32":
         return PrecisionPolicy(param_dtype=fp32, autocast_dtype=None, master_weights=False, fp32_grad_acc=False,
                                stochastic_rounding=False, optim_state_dtype=fp32, **common)

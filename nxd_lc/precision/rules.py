@@ -9,7 +9,8 @@ import os
 
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.precision.policy import PRECISION_TYPES, resolve_precision
-from nxd_lc.runtime.env import PRECISION_ENV
+from nxd_lc.runtime.device import is_lazy_config_accelerator
+from nxd_lc.runtime.env import PRECISION_ENV, preset_bf16_flags
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,13 @@ def log_precision_overrides(cfg: NxdConfig) -> list[str]:
 
 
 def precision_problems(cfg: NxdConfig) -> list[str]:
-    """Precision keys that cannot be honoured together (modes -> dtypes: :mod:`nxd_lc.precision.policy`)."""
+    """Precision keys that cannot be honoured together (modes -> dtypes: :mod:`nxd_lc.precision.policy`), and, where
+    the run's tensors are torch-xla's (``trainer.accelerator`` xla, or neuron / auto resolving to torch-xla), a
+    ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16`` already switched on in the environment (it would make every fp32
+    tensor bf16 on the device: :func:`nxd_lc.runtime.env.preset_bf16_flags`)."""
     p: list[str] = []
+    if is_lazy_config_accelerator(cfg.trainer.accelerator):
+        p += [f"trainer.accelerator {cfg.trainer.accelerator}: {line}" for line in preset_bf16_flags()]
     prec, ckpt = cfg.precision, cfg.exp_manager.checkpoint_callback_params
     reduce = prec.parallel_layers_reduce_dtype
     if reduce not in (None, "fp32", "float32", "bf16", "bfloat16"):

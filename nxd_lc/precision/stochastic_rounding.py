@@ -26,6 +26,13 @@ mapped explicitly to NaN (a NaN pattern plus ``r`` could otherwise wrap to an in
 zero). Finite fp32 values above the largest finite bf16 round up to ``inf`` with probability
 ``f``, the same place round-to-nearest overflows.
 
+Where the rounding happens (:func:`hardware_rounding`): on a Neuron device (torch-xla with
+``PJRT_DEVICE=NEURON``, or the native ``neuron`` device) with ``NEURON_RT_STOCHASTIC_ROUNDING_EN=1`` -- which the
+SR modes set (:mod:`nxd_lc.runtime.env`) -- the runtime already rounds every fp32 -> bf16 conversion
+stochastically, so the optimizer's write-back is a plain cast there and this module does not round a second
+time. Everywhere else (CPU, CUDA, torch-xla on CPU, a Neuron device with the variable '0') this module rounds. The
+hardware path has not run here (no Trainium).
+
 Sources: Gupta et al. 2015, "Deep Learning with Limited Numerical Precision" (stochastic
 rounding, E[round(x)] = x); Zamirai et al. 2020, "Revisiting BFloat16 Training"
 (stochastic rounding of the bf16 weight update).
@@ -33,15 +40,32 @@ rounding, E[round(x)] = x); Zamirai et al. 2020, "Revisiting BFloat16 Training"
 
 from __future__ import annotations
 
+import os
+from collections.abc import Mapping
+
 import torch
 from torch import Tensor
 
-from nxd_lc.runtime.xla import bitcast_float32_int32
+from nxd_lc.runtime.env import flag_on
+from nxd_lc.runtime.xla import bitcast_float32_int32, xla_hardware
 
-__all__ = ["stochastic_round_to_bf16", "sr_add_"]
+__all__ = ["hardware_rounding", "stochastic_round_to_bf16", "sr_add_"]
 
 _LOW_BITS = 16
 _HIGH_MASK = -(1 << _LOW_BITS)  # 0xFFFF0000 as a signed int32
+
+
+def hardware_rounding(device: torch.device, environ: Mapping[str, str] | None = None) -> bool:
+    """True where Neuron's runtime rounds fp32 -> bf16 stochastically itself (module docstring): ``device`` is a
+    Neuron device -- the native ``neuron`` device, or an XLA device whose PJRT hardware is NEURON -- and
+    ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` is 1 in ``environ`` (default ``os.environ``). Callers then cast instead of
+    calling :func:`stochastic_round_to_bf16`."""
+    env = os.environ if environ is None else environ
+    if not flag_on(env.get("NEURON_RT_STOCHASTIC_ROUNDING_EN", "0")):
+        return False
+    if device.type == "neuron":
+        return True
+    return device.type == "xla" and xla_hardware() == "NEURON"
 
 
 def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:

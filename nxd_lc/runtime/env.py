@@ -4,19 +4,39 @@ NxDT maps its top-level keys and precision mode to Neuron/XLA environment variab
 ``shared/reference/nxdt_hf_llama3_8B_config.yaml``). A variable already set in the environment wins, as in NxDT.
 Off Trainium these variables are inert but still set, so a run's environment is the same on every backend and is
 printed once by rank 0.
+
+**XLA_USE_BF16 / XLA_DOWNCAST_BF16 are set to '0' in every mode** (issue 38; measurements in docs/precision.md).
+NxDT realises its modes with them, but under either flag torch-xla stores every ``torch.float32`` tensor as bf16 on
+the device (and ``float64`` as bf16 / f32; pytorch/xla ``torch_xla/csrc/dtype.cpp``), so fp32 master weights,
+``main_grad``, optimizer state, norm statistics and the loss silently become bf16 unless every one of them is held
+in float64 (NxD's convention). nxd_lc casts explicitly instead (bf16 parameters by :mod:`nxd_lc.precision`, fp32
+where fp32 is meant), which torch-xla has advised since 2.5 ("convert your model to bf16 directly") and which is
+the only convention the native ``neuron`` device (no such flags) shares. A '1' already in the environment is
+refused on xla / neuron by :func:`preset_bf16_flags` (named, with the fix). The precision keys
+``xla_use_bf16`` / ``xla_downcast_bf16`` of ``precision.type: manual`` keep NxDT's meaning (bf16 parameters)
+through that cast. ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` is still set from the mode: on Neuron the runtime then
+rounds fp32 -> bf16 stochastically in hardware (:func:`nxd_lc.precision.stochastic_rounding.hardware_rounding`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nxd_lc.config.schema import NxdConfig
 
 log = logging.getLogger(__name__)
 
-#: NxDT's precision modes -> (XLA_USE_BF16, XLA_DOWNCAST_BF16, NEURON_RT_STOCHASTIC_ROUNDING_EN, extra cc flags)
+#: The torch-xla variables that turn float32 into bf16 on the device (``torch_xla/csrc/dtype.cpp``); nxd_lc sets both
+#: to '0' and refuses a preset '1' on xla / neuron (module docstring).
+XLA_BF16_FLAGS = ("XLA_USE_BF16", "XLA_DOWNCAST_BF16")
+
+#: NxDT's precision modes -> (XLA_USE_BF16, XLA_DOWNCAST_BF16, NEURON_RT_STOCHASTIC_ROUNDING_EN, extra cc flags), as
+#: NxDT sets them. The first two are what the mode *means* (bf16 parameters; read by the precision rules); nxd_lc
+#: sets them to '0' and realises that meaning by explicit casts (module docstring).
 PRECISION_ENV: dict[str, tuple[str, str, str | None, str]] = {
     "bf16SR": ("1", "0", "1", "--enable-mixed-precision-accumulation"),
     "mixed_precision": ("0", "1", "0", "--enable-mixed-precision-accumulation"),
@@ -44,14 +64,13 @@ def desired_env(cfg: NxdConfig) -> list[tuple[str, str, str]]:
     """(config key, variable, value) for every variable the config asks for; NEURON_CC_FLAGS is appended to."""
     rows: list[tuple[str, str, str]] = []
     p = cfg.precision
+    # bf16 parameters come from explicit casts, never from these flags (module docstring)
+    rows += [("precision.type", var, "0") for var in XLA_BF16_FLAGS]
     if p.type == "manual":
-        rows += [("precision.xla_use_bf16", "XLA_USE_BF16", str(p.xla_use_bf16)),
-                 ("precision.xla_downcast_bf16", "XLA_DOWNCAST_BF16", str(p.xla_downcast_bf16)),
-                 ("precision.neuron_rt_stochastic_rounding_en", "NEURON_RT_STOCHASTIC_ROUNDING_EN",
+        rows += [("precision.neuron_rt_stochastic_rounding_en", "NEURON_RT_STOCHASTIC_ROUNDING_EN",
                   str(p.neuron_rt_stochastic_rounding_en))]
     elif p.type in PRECISION_ENV:
-        use_bf16, downcast, sr, flags = PRECISION_ENV[p.type]
-        rows += [("precision.type", "XLA_USE_BF16", use_bf16), ("precision.type", "XLA_DOWNCAST_BF16", downcast)]
+        _, _, sr, flags = PRECISION_ENV[p.type]
         if sr is not None:
             rows.append(("precision.type", "NEURON_RT_STOCHASTIC_ROUNDING_EN", sr))
         rows.append(("precision.type", "NEURON_CC_FLAGS", flags))
@@ -106,3 +125,34 @@ def format_env_table(entries: list[EnvEntry]) -> str:
     lines = [f"{'variable':<{w_var}}  {'config key':<{w_key}}  {'source':<18}  value"]
     lines += [f"{e.var:<{w_var}}  {e.key:<{w_key}}  {e.source:<18}  {e.value}" for e in entries]
     return "\n".join(lines)
+
+
+def flag_on(value: str) -> bool:
+    """torch-xla's reading of a boolean variable (``runtime::sys_util::GetEnvBool``): ``true`` / ``false``
+    exactly, else C's ``atoi`` (leading blanks, a sign, the leading digits) is non-zero."""
+    if value in ("true", "false"):
+        return value == "true"
+    m = re.match(r"\s*[+-]?(\d+)", value)
+    return bool(m) and int(m.group(1)) != 0
+
+
+def preset_bf16_flags(environ: Mapping[str, str] | None = None) -> list[str]:
+    """The problems of :data:`XLA_BF16_FLAGS` already switched on in ``environ`` (default ``os.environ``), one line
+    per variable naming it and the fix. Callers judge them only where torch-xla runs (accelerator xla / neuron).
+
+    Under either flag torch-xla stores float32 as bf16 on the device for the whole process (read once, at the first
+    tensor), whatever the config asks: every mode's fp32 tensors (master weights, ``main_grad``, optimizer state,
+    the software stochastic rounding's working copy, norm statistics, the loss) would be bf16 and updates below half
+    a bf16 step lost. Measured (tiny Llama, 5 AdamW steps at lr 1e-6, issue 38): 1.1% of the master elements
+    moved under XLA_DOWNCAST_BF16=1 against 56.5% on CPU.
+    """
+    env = os.environ if environ is None else environ
+    out = []
+    for var in XLA_BF16_FLAGS:
+        if var in env and flag_on(env[var]):
+            out.append(f"{var}={env[var]} is set in the environment: torch-xla then stores every float32 tensor as "
+                       "bf16 on the device (pytorch/xla csrc/dtype.cpp), so the fp32 master weights, main_grad, "
+                       "optimizer state, norm statistics and loss of every precision.type would be bf16 and small "
+                       f"updates lost. nxd_lc casts explicitly instead: unset {var} (or set it to 0); precision.type "
+                       "chooses bf16 parameters itself (mixed_precision: bf16 parameters, fp32 master weights)")
+    return out

@@ -83,6 +83,41 @@ def xla_device() -> torch.device:
     return xm.xla_device()
 
 
+def xla_hardware() -> str:
+    """The hardware behind torch-xla's devices in this process: ``'CPU'``, ``'NEURON'``, ``'TPU'``, ``'CUDA'``
+    (``torch_xla.runtime.device_type()``: PJRT's device type, from ``PJRT_DEVICE``).
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("the XLA hardware type")
+    import torch_xla.runtime as xr
+
+    return str(xr.device_type() or "").upper()
+
+
+def device_type_name(t: torch.Tensor) -> str:
+    """The element type ``t`` has *on the XLA device*, as XLA names it (``'f32'``, ``'bf16'``, ``'f64'``, ``'s32'``,
+    ...): what ``t.dtype`` does not say under ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16`` (float32 is then ``'bf16'``).
+    Reads the lazy IR's shape, not the data: nothing is executed or transferred.
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+        ValueError: ``t`` is not an XLA tensor.
+    """
+    require_torch_xla("the on-device type of a tensor")
+    import torch_xla
+
+    if not is_xla_tensor(t):
+        raise ValueError(f"device_type_name: {t.device} is not an XLA device")
+    xlac = torch_xla._XLAC
+    if hasattr(xlac, "_get_xla_tensor_shape_type"):
+        return str(xlac._get_xla_tensor_shape_type(t))
+    text = xlac._get_xla_tensors_text([t])  # '... = bf16[3]{0} ..., ROOT=0'
+    root = [line for line in text.splitlines() if "ROOT=" in line][-1]
+    return root.split("=", 1)[1].strip().split("[", 1)[0]
+
+
 def is_xla_tensor(t: torch.Tensor) -> bool:
     """True when ``t`` lives on an XLA device (lazy tensor)."""
     return t.device.type == "xla"
