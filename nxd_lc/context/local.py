@@ -256,13 +256,20 @@ _warned_nki_documents = False
 
 
 def set_nki_options(transpose_nki_inputs: bool, lnc: int | None) -> None:
-    """Set ``model.transpose_nki_inputs`` and ``trainer.lnc`` for the NKI kernel path (called once at startup)."""
+    """Set ``model.transpose_nki_inputs`` and ``trainer.lnc`` for the NKI kernel path (called once at startup);
+    ``lnc`` None leaves it to :func:`nxd_lc.context.nki.resolve_lnc` (``NEURON_LOGICAL_NC_CONFIG``, else 2 on
+    Trn2, 1 elsewhere)."""
     _NKI_OPTIONS.update(transpose_nki_inputs=bool(transpose_nki_inputs), lnc=lnc)
 
 
 def _xla_flash(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, segment_ids: torch.Tensor | None, scale: float,
                causal: bool) -> torch.Tensor:
     """XLA flash path: the NKI kernel on Neuron (``neuronxcc`` importable), else one SDPA call.
+
+    q, k, v [B, H, S, D] -> [B, H, S, D]: :func:`local_attention` has expanded k/v to the query heads (``repeat_kv``),
+    as NxDT's model does before calling NxD's kernel, whose backward asserts equal head counts (the kernel path,
+    :func:`nxd_lc.context.nki.flash_attention`, expands any GQA k/v itself too). A sequence that is not a multiple
+    of 2048 is refused there with a ValueError (no SDPA fallback).
 
     Lazy tensors: no host read of document boundaries and no data-dependent shapes. Document masking uses a
     boolean [B,1,S,S] mask built on the device (the NKI kernel takes no segment ids, so on Neuron a packed batch

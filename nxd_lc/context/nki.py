@@ -6,24 +6,26 @@ Shapes (B = micro batch, Hq / Hkv = query / KV heads on this rank, S = sequence,
     adapter input, ``transpose_nki_inputs=True``    q [B, Hq, D, S], k/v [B, Hkv, D, S]  (the kernel's layout)
     output (either)                                 [B, Hq, S, D]
 
-The kernel contract (NeuronX Distributed ``kernels/flash_attn.py`` and the NKI samples' ``flash_fwd``, which
-are the reference for this module; the kernel itself runs only on Trainium):
+The adapter calls the kernel as NeuronX Distributed does (aws-neuron/neuronx-distributed
+``src/neuronx_distributed/kernels/flash_attn.py``, ``nki_flash_attn_func`` / ``NKIAttnFunc``, releases 2.23-2.29),
+with the model side as NxDT's ``models/hf_models/modeling_llama.py`` (``repeat_kv`` before the call); the kernel
+itself runs only on Trainium:
 
-* ``fwd[grid](q, k, v, seed, use_causal_mask=, mixed_precision=, dropout_p=, softmax_scale=, config=)``
-  with q and k as ``[B, H, D, S]`` and v as ``[B, Hkv, S, D]``, or as ``[B, Hkv, D, S]`` when
-  ``config.should_transpose_v`` (the kernel transposes it); returns ``(o [B, Hq, S, D], lse)``.
-* ``bwd[grid](q, k, v, o, dout, lse, seed, use_causal_mask=, mixed_precision=, dropout_p=, softmax_scale=)``
-  with q, k, v, o and dout all ``[B, H, D, S]``; returns ``(dq, dk, dv)`` in that layout.
-* ``grid`` is ``(B, Hq)`` for the single-core kernel (``trainer.lnc`` 1) and ``(B, nc(lnc) * (Hq // lnc))``
-  for the sharded kernel on a logical NeuronCore of ``lnc`` = 2 physical cores (Trainium2), where
-  ``nc`` is ``neuronxcc.nki.language.nc``.
-* The sequence must be a multiple of 2048 (the kernel's tile); anything else is a ``ValueError`` here.
+* k and v are expanded to the Hq query heads first (HF ``repeat_kv`` order, :func:`nxd_lc.context.local.repeat_kv`):
+  the grid runs over ``Hq`` and the kernel's backward asserts k/v heads == q heads (NKI samples
+  ``flash_attn_bwd`` until GQA support, Nov 2025). Gradients reach the Hkv heads through the expansion's backward.
+* ``fwd[grid](q, k, v, seed, use_causal_mask=, mixed_precision=, dropout_p=, softmax_scale=, config=)`` with q, k
+  ``[B, H, D, S]`` and v ``[B, H, S, D]``, or ``[B, H, D, S]`` under ``FlashConfig(should_transpose_v=True)``
+  (NxD sets it exactly when ``transpose_nki_inputs``); ``config`` is None unless a field is set; returns
+  ``(o [B, H, S, D], lse [B, H, 128, S // 128])``.
+* ``bwd[grid](q, k, v, o, dout, lse, seed, ...)`` with q, k, v, o, dout all ``[B, H, D, S]`` -> ``(dq, dk, dv)``.
+* ``grid``: ``(B, Hq)`` for ``lnc`` 1; ``(B, nc(lnc) * (Hq // lnc))`` (sharded kernel, ``nki.language.nc``) for 2.
+* ``lse_dtype`` (softmax statistics): :func:`default_lse_dtype`. ``lnc``: :func:`resolve_lnc`.
+* S must be a multiple of 2048 (the kernel's ``seq_tile_size``): refused with a ``ValueError`` naming
+  ``data.seq_length`` (NxD raises ``NotImplementedError``; neither falls back to SDPA).
 
-``transpose_nki_inputs`` is NxDT's ``model.transpose_nki_inputs``: True means the model already produces
-q/k/v in the kernel's ``[B, H, D, S]`` layout (no transposes around the kernel); False means they come in
-SDPA's ``[B, H, S, D]`` and the adapter permutes them. Off Neuron (no ``neuronxcc``),
-:func:`flash_attention` runs torch SDPA instead. Tests substitute a pure-PyTorch :class:`NkiKernels`; the real
-kernel has not run here (no Trainium hardware): untested on hardware.
+``transpose_nki_inputs`` is NxDT's ``model.transpose_nki_inputs``. Off Neuron (no ``neuronxcc``),
+:func:`flash_attention` runs torch SDPA. Tests substitute a pure-PyTorch :class:`NkiKernels`: untested on hardware.
 """
 
 from __future__ import annotations
@@ -31,17 +33,22 @@ from __future__ import annotations
 import functools
 import math
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NKI_SEQ_MULTIPLE", "NkiKernels", "flash_attention", "load_nki_kernels", "nki_flash_attention",
-           "resolve_lnc"]
+from nxd_lc.context.local import repeat_kv
+
+__all__ = ["AUTO", "NKI_SEQ_MULTIPLE", "NkiKernels", "default_lse_dtype", "flash_attention", "load_nki_kernels",
+           "neuron_platform", "nki_flash_attention", "resolve_lnc"]
 
 #: The kernel processes the sequence in tiles of 2048 tokens (NxD: "Only support sequence as multiples of 2K").
 NKI_SEQ_MULTIPLE = 2048
+#: ``lse_dtype=AUTO``: derive it from the environment and q's dtype as NxD does (:func:`default_lse_dtype`).
+AUTO = "auto"
 
 
 @dataclass(frozen=True)
@@ -51,8 +58,7 @@ class NkiKernels:
     Attributes:
         fwd: grid-indexable forward kernel, ``fwd[grid](q, k, v, seed, **kw) -> (o, lse)`` (module doc).
         bwd: grid-indexable backward kernel, ``bwd[grid](q, k, v, o, dout, lse, seed, **kw) -> (dq, dk, dv)``.
-        make_config: ``make_config(should_transpose_v=bool) -> config`` passed as the forward's ``config``
-            (``neuronxcc.nki.kernels.attention.FlashConfig``).
+        make_config: ``make_config(**fields) -> config`` (``neuronxcc.nki.kernels.attention.FlashConfig``).
         nc: ``nc(lnc)`` -> the logical-core grid dimension of the sharded kernel (``nki.language.nc``);
             required for ``lnc > 1``.
     """
@@ -69,8 +75,7 @@ def load_nki_kernels() -> Optional[NkiKernels]:
 
     Import paths as NeuronX Distributed uses them: ``neuronxcc.nki.kernels.{flash_fwd, flash_attn_bwd}``,
     ``neuronxcc.nki.kernels.attention.FlashConfig`` and ``neuronxcc.nki.language.nc``. The PyPI ``neuronxcc``
-    placeholder raises ImportError, which also gives None. Cached: the attention dispatch asks on every call,
-    and a failed import is not cached by Python itself.
+    placeholder raises ImportError, which also gives None. Cached: the attention dispatch asks on every call.
     """
     try:
         import neuronxcc.nki.language as nl  # type: ignore[import-not-found]
@@ -81,20 +86,68 @@ def load_nki_kernels() -> Optional[NkiKernels]:
     return NkiKernels(fwd=flash_fwd, bwd=flash_attn_bwd, make_config=FlashConfig, nc=getattr(nl, "nc", None))
 
 
+def default_lse_dtype(q_dtype: torch.dtype, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The ``FlashConfig.lse_dtype`` NxD passes (``kernels/flash_attn.py`` ``_flash_attn_forward``, >= 2.23).
+
+    ``"bfloat16"`` when ``XLA_USE_BF16`` or ``XLA_DOWNCAST_BF16`` is '1', or when ``XLA_DOWNCAST_BF16`` is '0' and
+    q is bf16; otherwise None: no ``lse_dtype`` is passed and the kernel keeps its default (float32 with
+    ``mixed_precision``). nxd_lc sets both flags to '0' (:mod:`nxd_lc.runtime.env`), so bf16 q -> bf16 statistics,
+    as under NxDT's ``autocast``; fp32 q -> float32. Unset flags read as NxD reads them (not '0': float32).
+    """
+    env = os.environ if environ is None else environ
+    if env.get("XLA_USE_BF16") == "1" or env.get("XLA_DOWNCAST_BF16") == "1":
+        return "bfloat16"
+    if env.get("XLA_DOWNCAST_BF16") == "0" and q_dtype == torch.bfloat16:
+        return "bfloat16"
+    return None
+
+
+@functools.lru_cache(maxsize=1)
+def neuron_platform() -> Optional[str]:
+    """'trn1' (also trn1n / inf2), 'trn2', 'trn3' from ``torch_neuronx.utils.get_platform_target()`` as NxD reads
+    it (``neuronx_distributed.utils.utils.hardware``); None where torch-neuronx is absent or cannot tell."""
+    try:
+        from torch_neuronx.utils import get_platform_target  # type: ignore[import-not-found]
+
+        target = get_platform_target()
+    except Exception:
+        return None
+    name = str(getattr(target, "value", target)).lower()
+    if name.startswith(("trn1", "inf2")):
+        return "trn1"
+    return name[:4] if name.startswith(("trn2", "trn3")) else None
+
+
 def resolve_lnc(lnc: Optional[int]) -> int:
-    """``trainer.lnc`` -> 1 or 2; None reads ``NEURON_LOGICAL_NC_CONFIG`` (set from the config at startup), else 1.
+    """The logical NeuronCore size: ``trainer.lnc`` and ``NEURON_LOGICAL_NC_CONFIG`` (which startup sets from it
+    unless already set, and which the Neuron runtime reads), else by platform: 2 on Trn2, 1 elsewhere (NxDT
+    ``utils.get_lnc_size`` / ``HFLLamaModule._get_model``). On Trn1 it must be 1 (NxD asserts it in
+    ``nki_flash_attn_func``).
 
     Raises:
-        ValueError: a value other than 1 or 2 (names ``trainer.lnc``).
+        ValueError: not an integer, not 1 or 2, 2 on Trn1, or ``trainer.lnc`` and a preset
+            ``NEURON_LOGICAL_NC_CONFIG`` that disagree (the kernel's grid and the runtime's cores would differ);
+            names where the value came from.
     """
-    if lnc is None:
-        raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG", "1")
+    source = "trainer.lnc"
+    raw = os.environ.get("NEURON_LOGICAL_NC_CONFIG")
+    if raw is not None:
         try:
-            lnc = int(raw)
+            env_lnc = int(raw)
         except ValueError:
             raise ValueError(f"NEURON_LOGICAL_NC_CONFIG={raw!r} is not an integer; set trainer.lnc to 1 or 2") from None
+        if lnc is not None and lnc != env_lnc:
+            raise ValueError(f"trainer.lnc={lnc} but NEURON_LOGICAL_NC_CONFIG={raw} in the environment (which the "
+                             "Neuron runtime uses, and which wins over the config): make them agree, or unset the "
+                             "variable")
+        source, lnc = "NEURON_LOGICAL_NC_CONFIG", env_lnc
+    elif lnc is None:
+        return 2 if neuron_platform() == "trn2" else 1
     if lnc not in (1, 2):
-        raise ValueError(f"trainer.lnc must be 1 (Trainium1, or one core per rank) or 2 (Trainium2), got {lnc}")
+        raise ValueError(f"{source}={lnc}: must be 1 (Trainium1, or one core per rank) or 2 (Trainium2)")
+    if lnc == 2 and neuron_platform() == "trn1":
+        raise ValueError(f"{source}=2 on Trainium1: a logical NeuronCore of 2 exists only on Trainium2; set "
+                         "trainer.lnc=1 (and unset NEURON_LOGICAL_NC_CONFIG)")
     return lnc
 
 
@@ -103,8 +156,8 @@ def _grid(kernels: NkiKernels, batch: int, heads: int, lnc: int) -> tuple[Any, A
     if lnc == 1:
         return batch, heads
     if kernels.nc is None:
-        raise ValueError(f"trainer.lnc={lnc} needs the sharded NKI kernel (neuronxcc.nki.language.nc), which this "
-                         "neuronxcc does not provide; set trainer.lnc=1 or upgrade neuronx-cc")
+        raise ValueError(f"lnc={lnc} (trainer.lnc / NEURON_LOGICAL_NC_CONFIG) needs the sharded NKI kernel "
+                         "(neuronxcc.nki.language.nc), which this neuronxcc lacks; set trainer.lnc=1 or upgrade")
     if heads % lnc:
         raise ValueError(f"trainer.lnc={lnc}: the query heads per rank ({heads}) must be divisible by lnc; change "
                          "tensor_model_parallel_size or trainer.lnc")
@@ -112,15 +165,19 @@ def _grid(kernels: NkiKernels, batch: int, heads: int, lnc: int) -> tuple[Any, A
 
 
 class _NkiFlashAttention(torch.autograd.Function):
-    """Autograd wrapper: kernel forward, kernel backward; q, k, v arrive in the kernel layout [B, H, D, S]."""
+    """Kernel forward and backward; q, k, v arrive as [B, H, D, S] with equal head counts (NxD's NKIAttnFunc)."""
 
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernels: NkiKernels, scale: float,
-                causal: bool, lnc: int, mixed_precision: bool) -> torch.Tensor:
+                causal: bool, lnc: int, mixed_precision: bool, lse_dtype: Optional[str],
+                transpose_v: bool) -> torch.Tensor:
         grid = _grid(kernels, q.shape[0], q.shape[1], lnc)
-        # should_transpose_v: v is passed as [B, Hkv, D, S] like q and k, and the kernel transposes it.
-        config = kernels.make_config(should_transpose_v=True)
-        out, lse = kernels.fwd[grid](q, k, v, None, use_causal_mask=causal, mixed_precision=mixed_precision,
+        fields: dict[str, Any] = {} if lse_dtype is None else {"lse_dtype": lse_dtype}
+        if transpose_v:  # v handed over as [B, H, D, S]; the kernel transposes it
+            fields["should_transpose_v"] = True
+        config = kernels.make_config(**fields) if fields else None
+        v_kernel = v if transpose_v else v.permute(0, 1, 3, 2)
+        out, lse = kernels.fwd[grid](q, k, v_kernel, None, use_causal_mask=causal, mixed_precision=mixed_precision,
                                      dropout_p=0.0, softmax_scale=scale, config=config)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.kernels, ctx.grid, ctx.scale, ctx.causal, ctx.mixed_precision = kernels, grid, scale, causal, \
@@ -133,7 +190,7 @@ class _NkiFlashAttention(torch.autograd.Function):
         dq, dk, dv = ctx.kernels.bwd[ctx.grid](
             q, k, v, out.permute(0, 1, 3, 2), dout.permute(0, 1, 3, 2), lse, None, use_causal_mask=ctx.causal,
             mixed_precision=ctx.mixed_precision, dropout_p=0.0, softmax_scale=ctx.scale)
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transpose_nki_inputs: bool) -> tuple[int, int]:
@@ -156,31 +213,42 @@ def _check_layout(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, transpose_n
 
 
 def nki_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, kernels: NkiKernels,
-                        transpose_nki_inputs: bool, lnc: int = 1, scale: Optional[float] = None,
-                        causal: bool = True, mixed_precision: bool = True) -> torch.Tensor:
-    """Causal attention through the NKI flash kernel; input layout per ``transpose_nki_inputs`` (module doc).
+                        transpose_nki_inputs: bool, lnc: Optional[int] = None, scale: Optional[float] = None,
+                        causal: bool = True, mixed_precision: bool = True,
+                        lse_dtype: Optional[str] = AUTO) -> torch.Tensor:
+    """Attention through the NKI flash kernel, called as NxD's ``nki_flash_attn_func`` calls it (module doc).
 
     Args:
-        q: ``[B, Hq, D, S]`` if ``transpose_nki_inputs`` else ``[B, Hq, S, D]``.
-        k, v: as q with ``Hkv`` heads (``Hq % Hkv == 0``; the kernel groups query heads itself).
+        q: ``[B, Hq, D, S]`` if ``transpose_nki_inputs`` else ``[B, Hq, S, D]``; S a multiple of 2048.
+        k, v: as q with ``Hkv`` heads (``Hq % Hkv == 0``). Expanded to ``Hq`` heads before the kernel, whose
+            backward asserts equal q and k/v head counts; dk, dv come back as ``[.., Hkv, ..]`` (summed).
         kernels: the kernel entry points (:func:`load_nki_kernels`, or a substitute in tests).
-        lnc: logical NeuronCore size (``trainer.lnc``): 1 -> single-core kernel, 2 -> sharded kernel.
+        lnc: ``trainer.lnc``; None -> :func:`resolve_lnc` (``NEURON_LOGICAL_NC_CONFIG``, else the platform).
         scale: softmax scale, default ``1 / sqrt(D)``.
-        causal, mixed_precision: passed to the kernel (``use_causal_mask``, fp32 softmax statistics).
+        causal, mixed_precision: passed to the kernel (``use_causal_mask``; fp32 softmax arithmetic).
+        lse_dtype: ``FlashConfig.lse_dtype`` of the saved softmax statistics ``[B, Hq, 128, S // 128]``:
+            :data:`AUTO` -> :func:`default_lse_dtype` (NxD's rule), None -> the kernel's default, or a name of
+            an ``nki.language`` dtype such as ``"bfloat16"`` / ``"float32"``.
 
     Returns:
         ``[B, Hq, S, D]`` (the kernel's output layout), differentiable in q, k and v.
 
     Raises:
-        ValueError: wrong ranks or disagreeing shapes, S not a multiple of 2048, lnc not 1 or 2, Hq not divisible
-            by lnc, or lnc 2 without the sharded kernel.
+        ValueError: wrong ranks or disagreeing shapes, S not a multiple of 2048 (names ``data.seq_length``; no
+            SDPA fallback), lnc not 1 or 2 or 2 on Trn1, Hq not divisible by lnc, or lnc 2 without the sharded
+            kernel.
     """
     _, dim = _check_layout(q, k, v, transpose_nki_inputs)
     lnc = resolve_lnc(lnc)
-    if not transpose_nki_inputs:  # [B, H, S, D] -> the kernel's [B, H, D, S]
+    if lse_dtype == AUTO:
+        lse_dtype = default_lse_dtype(q.dtype)
+    rep = q.shape[1] // k.shape[1]
+    k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # along dim 1: valid in either layout
+    if not transpose_nki_inputs:  # [B, H, S, D] -> the kernel's [B, H, D, S] (v goes back to [B, H, S, D] inside)
         q, k, v = (t.permute(0, 1, 3, 2) for t in (q, k, v))
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
-    return _NkiFlashAttention.apply(q, k, v, kernels, scale, causal, lnc, mixed_precision)
+    return _NkiFlashAttention.apply(q, k, v, kernels, scale, causal, lnc, mixed_precision, lse_dtype,
+                                    transpose_nki_inputs)
 
 
 def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: Optional[float] = None,
@@ -189,16 +257,17 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
     """The flash path: the NKI kernel where ``neuronxcc`` kernels are importable (or given), else torch SDPA.
 
     Args:
-        q, k, v: as :func:`nki_flash_attention` (layout per ``transpose_nki_inputs``; the SDPA fallback accepts
-            both layouts and expands GQA heads itself).
-        lnc: ``trainer.lnc`` (None: ``NEURON_LOGICAL_NC_CONFIG`` or 1); used by the kernel path only.
+        q, k, v: as :func:`nki_flash_attention` (layout per ``transpose_nki_inputs``; GQA k/v ``[.., Hkv, ..]``
+            are expanded to the query heads on both paths).
+        lnc: ``trainer.lnc`` (None: :func:`resolve_lnc`); used by the kernel path only.
         kernels: kernel entry points; None -> :func:`load_nki_kernels` (None off Neuron -> SDPA).
 
     Returns:
         ``[B, Hq, S, D]`` on both paths.
 
     Raises:
-        ValueError: as :func:`nki_flash_attention` on the kernel path; on the SDPA path, 4-D shape mismatches.
+        ValueError: as :func:`nki_flash_attention` on the kernel path (S not a multiple of 2048 is refused there,
+            not sent to SDPA); on the SDPA path, 4-D shape mismatches.
     """
     kernels = kernels if kernels is not None else load_nki_kernels()
     if kernels is not None:
@@ -210,6 +279,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"flash attention expects q [B,Hq,S,D], k/v [B,Hkv,S,D]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     rep = q.shape[1] // k.shape[1]
-    if rep > 1:
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    k, v = repeat_kv(k, rep), repeat_kv(v, rep)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
