@@ -16,6 +16,7 @@ device's count.
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 VOCAB = 200
@@ -88,14 +89,18 @@ def precision_steps(rank: int, world: int, mode: str, tp: int = 1, sp: bool = Fa
     opt = module.configure_optimizers()["optimizer"]
     policy = module.precision_policy
 
+    # fp32 parameters without ZeRO-1 are stepped by the plain torch optimizer: the parameters are the masters
+    slots = getattr(opt, "slots", None) or [SimpleNamespace(param=p, work=p) for p in module.trainable_parameters()]
+    persistent = getattr(opt, "persistent", True)
+
     def counted(slot: Any) -> tuple[torch.Tensor, bool]:
         """(the tensor whose movement counts for ``slot``, whether this rank counts it)."""
         sharded_tp = bool(getattr(slot.param, "tensor_model_parallel", False))
-        if opt.persistent:  # fp32 working tensors: this rank's ZeRO-1 shard, or the full tensor
+        if persistent and hasattr(opt, "slots"):  # fp32 working tensors: this rank's ZeRO-1 shard, or all of it
             return slot.work, (sharded_tp or tp_rank == 0) and (zero1 or dp_rank == 0)
         return slot.param, (sharded_tp or tp_rank == 0) and dp_rank == 0
 
-    start = [counted(s)[0].detach().cpu().clone() for s in opt.slots]
+    start = [counted(s)[0].detach().cpu().clone() for s in slots]
     losses, norms, param_norms, types = [], [], [], {}
     for step in range(steps):
         opt.zero_grad()
@@ -111,16 +116,16 @@ def precision_steps(rank: int, world: int, mode: str, tp: int = 1, sp: bool = Fa
             step_loss = step_loss + loss.detach().float() / MICRO_BATCHES
         module.on_before_optimizer_step(opt)
         if step == 0:
-            p0 = opt.slots[0].param
+            p0 = slots[0].param
             acc = getattr(p0, "main_grad", None)
             types.update(parameters=_type_name(p0), loss=_type_name(loss),
                          grad_accumulation=_type_name(acc if acc is not None else p0.grad))
         module.configure_gradient_clipping(opt, cfg.trainer.gradient_clip_val)
         opt.step()
         if step == 0:
-            state = opt.inner.state.get(opt.slots[0].work, {})
+            state = getattr(opt, "inner", opt).state.get(slots[0].work, {})
             types["optimizer_state"] = _type_name(state["exp_avg"]) if "exp_avg" in state else None
-            types["master_weights"] = _type_name(opt.slots[0].work) if policy.master_weights else None
+            types["master_weights"] = _type_name(slots[0].work) if policy.master_weights else None
         step_loss = collectives.all_reduce(step_loss, ps.get_data_parallel_group(with_context_parallel=True), op="avg")
         pnorm = grads.global_param_norm(module.trainable_parameters())
         cut()
@@ -128,13 +133,13 @@ def precision_steps(rank: int, world: int, mode: str, tp: int = 1, sp: bool = Fa
         norms.append(float(module._grad_norm))
         param_norms.append(float(pnorm))
     moved = total = 0
-    for s, before in zip(opt.slots, start):
+    for s, before in zip(slots, start):
         now, mine = counted(s)
         if mine:
             moved += int((now.detach().cpu() != before).sum())
             total += before.numel()
     return {"losses": losses, "norms": norms, "param_norms": param_norms, "moved": moved, "total": total,
-            "types": types, "persistent": opt.persistent}
+            "types": types, "persistent": persistent}
 
 
 def cpu_reference(rank: int, world: int, out: str, kwargs: dict[str, Any]) -> None:

@@ -11,7 +11,7 @@ The adapter calls the kernel as NeuronX Distributed does (aws-neuron/neuronx-dis
 with the model side as NxDT's ``models/hf_models/modeling_llama.py`` (``repeat_kv`` before the call); the kernel
 itself runs only on Trainium:
 
-* k and v are expanded to the Hq query heads first (HF ``repeat_kv`` order, :func:`nxd_lc.context.local.repeat_kv`):
+* k and v are expanded to the Hq query heads first (:func:`_expand_kv`, HF ``repeat_kv``'s head order):
   the grid runs over ``Hq`` and the kernel's backward asserts k/v heads == q heads (NKI samples
   ``flash_attn_bwd`` until GQA support, Nov 2025). Gradients reach the Hkv heads through the expansion's backward.
 * ``fwd[grid](q, k, v, seed, use_causal_mask=, mixed_precision=, dropout_p=, softmax_scale=, config=)`` with q, k
@@ -39,8 +39,6 @@ from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
-
-from nxd_lc.context.local import repeat_kv
 
 __all__ = ["AUTO", "NKI_SEQ_MULTIPLE", "NkiKernels", "default_lse_dtype", "flash_attention", "load_nki_kernels",
            "neuron_platform", "nki_flash_attention", "resolve_lnc"]
@@ -84,6 +82,12 @@ def load_nki_kernels() -> Optional[NkiKernels]:
     except Exception:  # ImportError, or the placeholder package failing in its own way
         return None
     return NkiKernels(fwd=flash_fwd, bwd=flash_attn_bwd, make_config=FlashConfig, nc=getattr(nl, "nc", None))
+
+
+def _expand_kv(t: torch.Tensor, rep: int) -> torch.Tensor:
+    """``[B, Hkv, X, Y]`` -> ``[B, Hkv * rep, X, Y]``, each KV head repeated ``rep`` times in place (HF
+    ``repeat_kv``'s order: query head h reads KV head ``h // rep``); ``rep`` 1 returns ``t``."""
+    return t if rep == 1 else t.repeat_interleave(rep, dim=1)
 
 
 def default_lse_dtype(q_dtype: torch.dtype, environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
@@ -243,7 +247,7 @@ def nki_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, ke
     if lse_dtype == AUTO:
         lse_dtype = default_lse_dtype(q.dtype)
     rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, rep), repeat_kv(v, rep)  # along dim 1: valid in either layout
+    k, v = _expand_kv(k, rep), _expand_kv(v, rep)  # along dim 1: valid in either layout
     if not transpose_nki_inputs:  # [B, H, S, D] -> the kernel's [B, H, D, S] (v goes back to [B, H, S, D] inside)
         q, k, v = (t.permute(0, 1, 3, 2) for t in (q, k, v))
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -279,5 +283,5 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         raise ValueError(f"flash attention expects q [B,Hq,S,D], k/v [B,Hkv,S,D]; got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, v {tuple(v.shape)}")
     rep = q.shape[1] // k.shape[1]
-    k, v = repeat_kv(k, rep), repeat_kv(v, rep)
+    k, v = _expand_kv(k, rep), _expand_kv(v, rep)
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale)
