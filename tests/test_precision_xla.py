@@ -81,8 +81,18 @@ def _cpu_entry(rank: int, world: int, out: str, kwargs: dict[str, Any]) -> None:
     cpu_reference(rank, world, out, kwargs)
 
 
-@pytest.mark.parametrize("mode_id", list(MODES))
+#: the modes of this file; the mixed-precision ones are in test_precision_xla_mixed.py (two files: pytest-xdist
+#: runs a file on one worker, and these runs take ~35 s each)
+LOCAL_MODES = ["fp32", "bf16SR", "autocast"]
+
+
+@pytest.mark.parametrize("mode_id", LOCAL_MODES)
 def test_mode_holds_on_xla_under_the_run_environment(mode_id: str, tmp_path: Any, run_environment: Any) -> None:
+    check_mode(mode_id, tmp_path, run_environment)
+
+
+def check_mode(mode_id: str, tmp_path: Any, run_environment: Any) -> None:
+    """The module docstring's comparison for one mode of :data:`MODES`."""
     mode, manual, (param_t, acc_t, master_t, state_t) = MODES[mode_id]
     cfg = NxdConfig()
     cfg.precision.type = mode
@@ -140,5 +150,7 @@ def test_sr_modes_train_through_train_py_path(mode: str, tmp_path: Any, run_envi
     r = run_on_xla_devices("xla_scenarios:run_job", 1, kwargs, timeout_s=600, wait_timeout_s=120).results[0]
     assert r["global_step"] == 2 and sorted(r["steps"]) == ["1", "2"], r
     losses = [r["steps"][s]["loss"] for s in ("1", "2")]
-    assert all(4.0 < x < 7.0 for x in losses), losses  # ln(300) = 5.7: a vocabulary-sized start, finite
-    assert sorted(r["vals"]) == ["2"] and 4.0 < r["vals"]["2"] < 7.0, r["vals"]
+    # the model's 8,192-entry vocabulary (conf/tiny_llama_config.json): a start at ln(8192) = 9.01, then learning
+    # (measured: 9.0435 -> 8.9387 in both modes)
+    assert all(8.0 < x < 9.5 for x in losses) and losses[1] < losses[0], losses
+    assert sorted(r["vals"]) == ["2"] and 8.0 < r["vals"]["2"] < 9.5, r["vals"]
