@@ -90,13 +90,14 @@ def precision_steps(rank: int, world: int, mode: str, tp: int = 1, sp: bool = Fa
     policy = module.precision_policy
 
     # fp32 parameters without ZeRO-1 are stepped by the plain torch optimizer: the parameters are the masters
-    slots = getattr(opt, "slots", None) or [SimpleNamespace(param=p, work=p) for p in module.trainable_parameters()]
-    persistent = getattr(opt, "persistent", True)
+    wrapped = hasattr(opt, "slots")
+    slots = opt.slots if wrapped else [SimpleNamespace(param=p, work=p) for p in module.trainable_parameters()]
+    persistent = opt.persistent if wrapped else True
 
     def counted(slot: Any) -> tuple[torch.Tensor, bool]:
         """(the tensor whose movement counts for ``slot``, whether this rank counts it)."""
         sharded_tp = bool(getattr(slot.param, "tensor_model_parallel", False))
-        if persistent and hasattr(opt, "slots"):  # fp32 working tensors: this rank's ZeRO-1 shard, or all of it
+        if wrapped and opt.persistent:  # fp32 working tensors: this rank's ZeRO-1 shard, or all of it
             return slot.work, (sharded_tp or tp_rank == 0) and (zero1 or dp_rank == 0)
         return slot.param, (sharded_tp or tp_rank == 0) and dp_rank == 0
 

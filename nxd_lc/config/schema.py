@@ -341,8 +341,8 @@ class PrecisionConfig:
     type: str = "fp32"  # bf16SR | fp32 | autocast | mixed_precision | mixed_precisionSR | manual
     master_weights: bool = False  # manual: fp32 master weights in the optimizer
     fp32_grad_acc: bool = False  # manual: fp32 gradient accumulation buffers
-    xla_use_bf16: str = "0"  # manual: XLA_USE_BF16
-    xla_downcast_bf16: str = "0"  # manual: XLA_DOWNCAST_BF16
+    xla_use_bf16: str = "0"  # manual: '1' = bf16 parameters (NxDT's XLA_USE_BF16; nxd_lc casts, sets the variable 0)
+    xla_downcast_bf16: str = "0"  # manual: '1' = bf16 parameters (NxDT's XLA_DOWNCAST_BF16; likewise an explicit cast)
     neuron_rt_stochastic_rounding_en: str = "0"  # manual: NEURON_RT_STOCHASTIC_ROUNDING_EN
     parallel_layers_reduce_dtype: Optional[str] = None  # dtype of TP/SP collectives (fp32 | bf16)
     fp32_grads_cc: bool = False  # data-parallel gradient all-reduce in fp32 (bf16 gradients up-cast for it)

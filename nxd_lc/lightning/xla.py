@@ -85,8 +85,8 @@ class NxDXLAPrecision(XLAPrecision):
 
     Gradient reduction is the module's (``on_before_optimizer_step``), the graph cut the module's step boundary.
     With ``autocast`` the forward runs under ``torch.autocast('xla', bfloat16)`` (``precision.type: autocast``).
-    Lower precisions on Trainium are set by the environment (``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16``, from
-    ``precision.type`` in :mod:`nxd_lc.runtime.env`), not by this plugin.
+    bf16 parameters are explicit casts (:func:`nxd_lc.precision.apply_precision`), not this plugin's and not torch-xla's
+    ``XLA_USE_BF16`` / ``XLA_DOWNCAST_BF16``, which the run sets to 0 (:mod:`nxd_lc.runtime.env`).
     """
 
     def __init__(self, autocast: bool = False) -> None:

@@ -1,8 +1,9 @@
 """Precision modes (``precision.type``) -> the dtypes a training step uses, off and on Trainium.
 
-On Trainium NxDT realises a mode through the environment (``XLA_USE_BF16``, ``XLA_DOWNCAST_BF16``,
-``NEURON_RT_STOCHASTIC_ROUNDING_EN``; :mod:`nxd_lc.runtime.env`) plus NxD's optimizer wrapper (master weights,
-fp32 gradient accumulation). Off Neuron nxd_lc implements the same semantics in PyTorch, decided here once:
+NxDT realises a mode on Trainium through the environment (``XLA_USE_BF16``, ``XLA_DOWNCAST_BF16``,
+``NEURON_RT_STOCHASTIC_ROUNDING_EN``) plus NxD's optimizer wrapper (master weights, fp32 gradient accumulation).
+nxd_lc implements the same semantics in PyTorch on every backend, Trainium included (the two bf16 flags are set to
+0 there: :mod:`nxd_lc.runtime.env`), decided here once:
 
 =================  ========  ========  ============  ============  ============  ==========================
 ``type``           params    compute   grads (acc.)  master wts    optim state   fp32 -> bf16 param update
