@@ -1,9 +1,13 @@
 """The lockstep pipeline schedule of torch-xla (:mod:`nxd_lc.pipeline.lockstep`), checked without XLA.
 
-* the tick plan against the data dependencies of a pipeline, derived here from first principles (an activation
-  leaves stage ``k`` one tick before stage ``k + 1`` uses it, a gradient likewise backwards), for many shapes;
+* the phase plan against the data dependencies of a pipeline, derived here from first principles (an activation
+  leaves stage ``k`` at least one phase before stage ``k + 1`` uses it, a gradient likewise backwards; one unit of
+  work per stage and phase), for many shapes; the micro-batches each stage holds between a forward and its
+  backward, from the plan's phases, are 1F1B's ``min(m, S - k)``; the number of exchanges the docstring states;
 * the runner on CPU, with an exchange written here from the permute's definition, against plain autograd over the
-  unsplit model (loss and every gradient), for 2 and 3 stages and interleaved stages;
+  unsplit model (loss and every gradient), for 2, 3 and 4 stages and interleaved stages; the activations each stage
+  holds, measured with saved-tensor hooks (``tests/activation_probe.py``), at most ``S - k`` micro-batches (the
+  one-tick schedule before held ``2 (S - 1 - k) + 1``), and the graph cuts per call;
 * the permute pairs (:func:`nxd_lc.distributed.collectives.shift_pairs`; a ring only with virtual stages).
 
 The runner on real XLA collectives (the same schedule on the multi-device test bed, against one XLA device):
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from activation_probe import ActivationProbe
 from torch import nn
 
 from nxd_lc.distributed.collectives import shift_pairs
@@ -27,7 +32,7 @@ def test_plan_respects_the_pipeline_dependencies(stages: int, micro: int) -> Non
     plan = LockstepPlan(stages, micro, train=True)
     fwd: dict[tuple[int, int], int] = {}
     bwd: dict[tuple[int, int], int] = {}
-    for t in range(plan.num_ticks):
+    for t in range(plan.num_phases):
         for k in range(stages):
             if (i := plan.forward_of(k, t)) is not None:
                 assert (k, i) not in fwd
@@ -43,20 +48,48 @@ def test_plan_respects_the_pipeline_dependencies(stages: int, micro: int) -> Non
         if k < stages - 1:  # the gradient crossed one exchange back
             assert bwd[(k, i)] >= bwd[(k + 1, i)] + 1
             assert bwd[(k, i)] > fwd[(k, i)]
-        else:  # the last stage: loss and backward in the forward's tick
+        else:  # the last stage: loss and backward with the forward
             assert bwd[(k, i)] == fwd[(k, i)]
+    for k in range(stages - 1):  # one unit of work per stage and phase (a forward or a backward)
+        phases = [fwd[(k, i)] for i in range(micro)] + [bwd[(k, i)] for i in range(micro)]
+        assert len(set(phases)) == len(phases), k
     # an exchange happens exactly when something crosses it
-    for t in range(plan.num_ticks):
-        assert plan.sends_forward(t) == any(fwd.get((k, i)) == t for k in range(stages - 1) for i in range(micro))
-        assert plan.sends_backward(t) == any(bwd.get((k, i)) == t for k in range(1, stages) for i in range(micro))
-    assert max(bwd.values()) == plan.num_ticks - 1  # no idle tick at the end
+    crossing = 0
+    for t in range(plan.num_phases):
+        f = any(fwd.get((k, i)) == t for k in range(stages - 1) for i in range(micro))
+        b = any(bwd.get((k, i)) == t for k in range(1, stages) for i in range(micro))
+        assert plan.sends_forward(t) == f and plan.sends_backward(t) == b
+        crossing += f or b
+    assert plan.num_exchanges == crossing
+    assert max(bwd.values()) == plan.num_phases - 1  # no idle phase at the end
+    # memory: stage k keeps micro-batch i from its forward's phase to its backward's; at most 1F1B's S - k at once
+    for k in range(stages):
+        held = max(sum(fwd[(k, i)] <= t < bwd[(k, i)] or fwd[(k, i)] == t for i in range(micro))
+                   for t in range(plan.num_phases))
+        assert held == min(micro, stages - k), (k, held)
+
+
+@pytest.mark.parametrize("stages,micro", SHAPES)
+def test_exchanges_per_call_as_documented(stages: int, micro: int) -> None:
+    """The module docstring's count of exchanges (a call cuts twice as many graphs)."""
+    if stages == 1:
+        expected = 0
+    elif micro == 1:
+        expected = 2 * stages - 2
+    elif stages == 2:
+        expected = micro + 1
+    else:
+        expected = 2 * micro + 2 * stages - 3
+    assert LockstepPlan(stages, micro, train=True).num_exchanges == expected
+    assert LockstepPlan(stages, micro, train=False).num_exchanges == (micro + stages - 2 if stages > 1 else 0)
 
 
 def test_forward_only_plan() -> None:
     plan = LockstepPlan(3, 4, train=False)
-    assert plan.num_ticks == 4 + 3 - 1
-    assert all(plan.backward_of(k, t) is None for k in range(3) for t in range(plan.num_ticks))
-    assert not any(plan.sends_backward(t) for t in range(plan.num_ticks))
+    assert plan.num_phases == 4 + 3 - 1
+    assert [plan.forward_of(2, t) for t in range(plan.num_phases)] == [None, None, 0, 1, 2, 3]
+    assert all(plan.backward_of(k, t) is None for k in range(3) for t in range(plan.num_phases))
+    assert not any(plan.sends_backward(t) for t in range(plan.num_phases))
 
 
 def test_shift_pairs() -> None:
@@ -95,11 +128,14 @@ def _toy(num_blocks: int) -> tuple[nn.Embedding, nn.ModuleList, nn.Linear]:
     return nn.Embedding(11, H), nn.ModuleList(nn.Linear(H, H) for _ in range(num_blocks)), nn.Linear(H, 11)
 
 
-@pytest.mark.parametrize("pp,virtual,micro", [(2, 1, 2), (3, 1, 4), (2, 2, 2), (2, 2, 3)])
+@pytest.mark.parametrize("pp,virtual,micro", [(2, 1, 2), (2, 1, 5), (3, 1, 4), (4, 1, 6), (2, 2, 2), (2, 2, 3),
+                                              (2, 2, 4)])
 def test_runner_equals_autograd_over_the_whole_model(pp: int, virtual: int, micro: int) -> None:
     """One thread per pipeline rank; the exchange is written here from ``collective_permute``'s definition (the
     target receives the source's buffer, zeros when no pair targets it). The loss and every parameter gradient
-    equal one backward of the mean micro-batch loss over the unsplit model."""
+    equal one backward of the mean micro-batch loss over the unsplit model. Memory, measured by saved-tensor
+    hooks: stage ``k`` held at most ``S - k`` micro-batches' activations (1F1B; the one-tick schedule held up to
+    ``2 (S - 1 - k) + 1``, e.g. 5 on stage 0 of 3 stages); every rank cut the same number of graphs."""
     num_stages = pp * virtual
     emb, blocks, head = _toy(num_stages)
     ids = torch.randint(0, 11, (micro * ROWS, 5), generator=torch.Generator().manual_seed(1))
@@ -112,7 +148,11 @@ def test_runner_equals_autograd_over_the_whole_model(pp: int, virtual: int, micr
     ref_grads = torch.autograd.grad(ref_loss.sum(), params)
 
     stages = [_Stage(k, num_stages, nn.ModuleList([blocks[k]]), emb, head) for k in range(num_stages)]
+    probe = ActivationProbe()
+    for stage in stages:
+        probe.watch(stage)
     groups = [list(range(pp))]
+    cuts = [0] * pp
 
     import threading
 
@@ -143,7 +183,8 @@ def test_runner_equals_autograd_over_the_whole_model(pp: int, virtual: int, micr
                                backward_pairs=shift_pairs(groups, -1, ring=virtual > 1), exchange=make_exchange(rank),
                                device=torch.device("cpu"))
             kwargs = [{"labels": lab} for lab in labels.chunk(micro)]
-            results[rank] = r.run(micro, True, ids.chunk(micro), kwargs, cut=lambda: None)
+            results[rank] = r.run(micro, True, ids.chunk(micro), kwargs,
+                                  cut=lambda: cuts.__setitem__(rank, cuts[rank] + 1))
         except BaseException as e:  # pragma: no cover - reported below
             errors.append(e)
             barrier.abort()
@@ -163,3 +204,6 @@ def test_runner_equals_autograd_over_the_whole_model(pp: int, virtual: int, micr
     for p, g in zip(params, ref_grads):
         assert p.grad is not None
         torch.testing.assert_close(p.grad, g, atol=1e-6, rtol=1e-5)
+    assert probe.leaked() == {}
+    assert dict(probe.peak) == {k: min(micro, num_stages - k) for k in range(num_stages)}
+    assert len(set(cuts)) == 1 and cuts[0] == 2 * LockstepPlan(num_stages, micro, train=True).num_exchanges, cuts

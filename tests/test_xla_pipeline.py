@@ -6,6 +6,10 @@ the pipeline --, ``on_before_optimizer_step``, clipping, AdamW) on a 4-layer Lla
 weights and data on one XLA device without pipelining. Losses and global gradient norms of 2 steps must agree within
 1e-5 on every rank, and at TP = 1 the last step's gradient of every parameter (sum and sum of squares) too. The test
 bed fails a run whose ranks of one pipeline stage trace different graphs (a divergence) or that hangs.
+
+Memory (issue 39, item 3): :func:`xla_scenarios_pipeline.activation_peaks` measures with saved-tensor hooks how many
+micro-batches' activations each stage holds at once on the test bed: 1F1B's ``S - k`` at most, and the graph cuts
+of a call.
 """
 
 from __future__ import annotations
@@ -46,6 +50,24 @@ def test_mixtral_pipeline_carries_the_router_statistics() -> None:
     reference = run_on_xla_devices("xla_scenarios:train", 1, kwargs).results[0]
     run = run_on_xla_devices("xla_scenarios:train", 2, {**kwargs, "pp": 2, "layers": 2}, timeout_s=400)
     _assert_matches(run.results, reference, 2, grads=True)
+
+
+def test_pipeline_holds_1f1b_activations_on_xla() -> None:
+    """PP 2 (S = 2 stages) with m = 3 micro-batches on two XLA devices: stage k held at most S - k micro-batches'
+    activations, measured (2 and 1; the one-tick schedule before held 3 and 1: 2 (S - 1 - k) + 1), nothing stays
+    saved after the call, and both ranks took the same cuts in it: two per exchange (S = 2: m + 1 exchanges) and
+    the two of the loss's isolated PP all-reduce. Virtual stages' memory: ``tests/test_pipeline_lockstep.py`` (the
+    same runner on CPU); their parity on XLA: ``pp2_vpp2`` above."""
+    stages, micro = 2, 3
+    run = run_on_xla_devices("xla_scenarios_pipeline:activation_peaks", 2,
+                             {"pp": 2, "vpp": 1, "micro": micro, "layers": 2}, timeout_s=300)
+    peaks: dict[int, int] = {}
+    for r in run.results:
+        assert r["leaked"] == {}, r
+        assert r["cuts"] == 2 * (micro + 1) + 2, r
+        peaks.update({int(k): v for k, v in r["peaks"].items()})
+    assert peaks == {k: min(micro, stages - k) for k in range(stages)}, peaks
+    assert run.results[0]["loss"] == run.results[1]["loss"]  # the PP all-reduce gave both ranks the step loss
 
 
 def _assert_matches(results: list[dict], one_device: dict, devices: int, grads: bool) -> None:

@@ -1,5 +1,5 @@
-"""Pipeline schedules for torch-xla: every rank of a pipeline group steps through the same ticks, and stage-to-stage
-traffic is one collective permute per direction and tick, in a graph of its own.
+"""Pipeline schedules for torch-xla: every rank of a pipeline group steps through the same phases, and stage-to-stage
+traffic is one collective permute per direction and phase, in a graph of its own.
 
 Why not :mod:`torch.distributed.pipelining` there: its schedules send activations point to point
 (``batch_isend_irecv``), which the torch-xla process group does not offer, and on XLA a collective must be in a graph
@@ -7,27 +7,45 @@ that is identical on every rank of its replica group, or the ranks load differen
 each of its pipeline send / receive collectives in a graph of its own for that reason). Pipeline stages trace
 different graphs (embedding on the first, loss on the last), so the exchange cannot ride in a stage's graph.
 
-The schedule (``S = PP x V`` stages, stage ``k`` on pipeline rank ``k mod PP``, ``m`` micro-batches), in ticks:
+The schedule (``S = PP x V`` stages, stage ``k`` on pipeline rank ``k mod PP``, ``m`` micro-batches) runs in
+*phases* (half-ticks): in each phase a stage runs at most one unit of work, and an exchange follows every phase in
+which anything moves, so a hop between neighbouring stages costs one phase. Training (1F1B's steady state, stages
+of even and odd index alternating):
 
-* at tick ``t`` stage ``k`` runs the forward of micro-batch ``t - k`` and, when training, the backward of
-  micro-batch ``t - (2S - 2 - k)`` (each when ``0 <= index < m``); the last stage runs forward, loss and backward
-  of the same micro-batch in its tick (its loss is back-propagated divided by ``m``, as the 1F1B path does);
-* after the tick's compute, the graph is cut, every rank contributes one buffer per direction (its outputs of the
-  tick, zeros where it has none, stacked over its ``V`` stages, made in the compute graph) to a
-  ``collective_permute`` (forward: pipeline rank ``r`` -> ``r + 1``; backward: ``r`` -> ``r - 1``; a ring when
-  ``V > 1``, so the last rank's output reaches stage ``k + 1`` on rank 0), and the graph is cut again. A tick in which
-  no stage of the pipeline sends anything (known from the schedule, so the same on every rank) has no exchange and
-  no cut: its compute joins the next tick's graph.
+* stage ``k < S - 1`` runs the forward of micro-batch ``i`` in phase ``k + 2i`` and its backward in phase
+  ``2S - 1 - k + 2i`` (forwards in the phases of ``k``'s parity, backwards in the others);
+* the last stage runs forward, loss and backward of micro-batch ``i`` together in phase ``S + 2i`` (its input
+  arrived after phase ``S - 2 + 2i`` and waits one phase; its loss is back-propagated divided by ``m``, as the 1F1B
+  path does);
+* forward only (evaluation): stage ``k`` runs the forward of micro-batch ``i`` in phase ``k + i``.
 
-Training takes ``m + 2S - 2`` ticks, forward-only ``m + S - 1``; every tick but the last exchanges, so a training
-call cuts ``2 (m + 2S - 3)`` graphs, the same on every rank. Gradients, losses and objective records equal those
-of the 1F1B path (:class:`torch.distributed.pipelining.Schedule1F1B`): the same micro-batches, the same loss
-scaling, only the order in which micro-batch gradients are summed differs (fp32 rounding).
+So stage ``k`` holds the activations of at most ``min(m, S - k)`` micro-batches (:func:`lockstep_in_flight`), as
+1F1B does (micro-batch ``i`` is saved from phase ``k + 2i`` to phase ``2S - 1 - k + 2i``, in which window the
+stage starts ``S - k`` forwards); the earlier one-tick schedule (a forward and a backward per stage and tick, a hop
+per tick) held ``2 (S - 1 - k) + 1``. Training takes ``2 (m + S - 1)`` phases, forward only ``m + S - 1``.
 
-What it costs against 1F1B on an eager device: stage ``k`` holds the activations of up to ``2 (S - 1 - k) + 1``
-micro-batches (1F1B: ``S - k``), because each hop takes one tick; with ``V > 1`` the tick-level lockstep does not
-shorten the bubble as interleaved 1F1B does (each tick lasts as long as the busiest rank's work). Both are listed
-in docs/limitations.md.
+After a phase's compute the graph is cut, every rank contributes one buffer per direction (its stages' outputs of
+the phase, zeros where it has none, stacked over its ``V`` stages, made in the compute graph) to a
+``collective_permute`` (forward: pipeline rank ``r`` -> ``r + 1``; backward: ``r`` -> ``r - 1``; a ring when
+``V > 1``, so the last rank's output reaches stage ``k + 1`` on rank 0), and the graph is cut again. A phase in
+which no stage sends anything (known from the plan, so the same on every rank) has no exchange and no cut: its
+compute joins the next phase's graph.
+
+**Graphs per call** (the same on every rank): ``E`` exchanges (:attr:`LockstepPlan.num_exchanges`), ``2E`` cuts, so
+``2E + 1`` graphs: ``E`` exchange graphs and ``E + 1`` compute segments, the last of which joins whatever the
+caller runs next. Training: ``E = 2m + 2S - 3`` for ``S >= 3`` and ``m >= 2`` (every phase but the last exchanges);
+``E = m + 1`` for ``S = 2`` (only even phases send); ``E = 2S - 2`` for ``m = 1``. Forward only: ``E = m + S - 2``.
+Against the one-tick schedule (``m + 2S - 3`` exchanges) that is ``m`` more exchanges at ``S >= 3`` and the same
+at ``S = 2``.
+
+Gradients, losses and objective records equal those of the 1F1B path
+(:class:`torch.distributed.pipelining.Schedule1F1B`): the same micro-batches, the same loss scaling, only the order
+in which micro-batch gradients are summed differs (fp32 rounding).
+
+What it costs against 1F1B on an eager device: every phase lasts as long as the busiest rank's unit, and in the
+steady state half the stages run a backward, so a micro-batch takes two backward-long phases (``2 max(F, B)``
+against 1F1B's ``F + B``); the fill and drain take ``2 (S - 1)`` phases. With ``V > 1`` the lockstep does not
+shorten the bubble as interleaved 1F1B does. Listed in docs/limitations.md.
 """
 
 from __future__ import annotations
@@ -43,9 +61,19 @@ from torch import nn
 Exchange = Callable[[torch.Tensor, list[tuple[int, int]]], torch.Tensor]
 
 
+def lockstep_in_flight(num_stages: int, stage: int, num_microbatches: int) -> int:
+    """Micro-batches whose activations stage ``stage`` holds at once, at most, under the training schedule of this
+    module: ``min(m, S - k)`` (1F1B's figure; module docstring). Used by the dry run's memory estimate.
+
+    Args:
+        num_stages: ``S = PP x V``; stage: ``k`` in ``[0, S)``; num_microbatches: ``m >= 1``.
+    """
+    return max(0, min(num_microbatches, num_stages - stage))
+
+
 @dataclass(frozen=True)
 class LockstepPlan:
-    """The tick plan of one schedule call (pure arithmetic, the same on every rank).
+    """The phase plan of one schedule call (pure arithmetic, the same on every rank; module docstring).
 
     Attributes:
         num_stages: ``S = PP x V``.
@@ -58,33 +86,46 @@ class LockstepPlan:
     train: bool
 
     @property
-    def num_ticks(self) -> int:
-        """``m + 2S - 2`` (training) or ``m + S - 1`` (forward only)."""
-        s, m = self.num_stages, self.num_microbatches
-        return m + (2 * s - 2 if self.train else s - 1)
+    def num_phases(self) -> int:
+        """``2 (m + S - 1)`` (training) or ``m + S - 1`` (forward only)."""
+        n = self.num_microbatches + self.num_stages - 1
+        return 2 * n if self.train else n
 
-    def forward_of(self, stage: int, tick: int) -> Optional[int]:
-        """The micro-batch whose forward stage ``stage`` runs at ``tick``, or None."""
-        i = tick - stage
-        return i if 0 <= i < self.num_microbatches else None
+    def forward_of(self, stage: int, phase: int) -> Optional[int]:
+        """The micro-batch whose forward stage ``stage`` runs in ``phase``, or None. When training, the last stage
+        runs forward, loss and backward together: its forward phase is its backward phase."""
+        if self.train and stage == self.num_stages - 1:
+            return self.backward_of(stage, phase)
+        step = 2 if self.train else 1
+        offset = phase - stage
+        if offset < 0 or offset % step:
+            return None
+        i = offset // step
+        return i if i < self.num_microbatches else None
 
-    def backward_of(self, stage: int, tick: int) -> Optional[int]:
-        """The micro-batch whose backward stage ``stage`` runs at ``tick`` (training only), or None."""
+    def backward_of(self, stage: int, phase: int) -> Optional[int]:
+        """The micro-batch whose backward stage ``stage`` runs in ``phase`` (training only), or None."""
         if not self.train:
             return None
-        j = tick - (2 * self.num_stages - 2 - stage)
-        return j if 0 <= j < self.num_microbatches else None
+        offset = phase - (2 * self.num_stages - 1 - stage)
+        if offset < 0 or offset % 2:
+            return None
+        j = offset // 2
+        return j if j < self.num_microbatches else None
 
-    def sends_forward(self, tick: int) -> bool:
-        """Whether any stage sends an activation after ``tick`` (every stage but the last, after a forward)."""
-        return any(self.forward_of(k, tick) is not None for k in range(self.num_stages - 1))
+    def sends_forward(self, phase: int) -> bool:
+        """Whether any stage sends an activation after ``phase`` (every stage but the last, after a forward)."""
+        return any(self.forward_of(k, phase) is not None for k in range(self.num_stages - 1))
 
-    def sends_backward(self, tick: int) -> bool:
-        """Whether any stage sends an input gradient after ``tick`` (every stage but the first, after a
-        backward; the last stage's backward is that of its own forward in the same tick)."""
-        if not self.train:
-            return False
-        return any(self.backward_of(k, tick) is not None for k in range(1, self.num_stages))
+    def sends_backward(self, phase: int) -> bool:
+        """Whether any stage sends an input gradient after ``phase`` (every stage but the first, after a
+        backward; the last stage's backward is that of its own forward in the same phase)."""
+        return self.train and any(self.backward_of(k, phase) is not None for k in range(1, self.num_stages))
+
+    @property
+    def num_exchanges(self) -> int:
+        """``E``: the phases followed by an exchange; a call cuts ``2E`` graphs (module docstring)."""
+        return sum(1 for p in range(self.num_phases) if self.sends_forward(p) or self.sends_backward(p))
 
 
 class LockstepRunner:
@@ -155,54 +196,39 @@ class LockstepRunner:
             train: run the backward; gradients accumulate into the parameters.
             first_inputs: the first stage's input ``[B, S]`` of each micro-batch (used when this rank holds stage 0).
             kwargs: each micro-batch's keyword tensors for the stages (``position_ids``, ``labels``, ...).
-            cut: called before and after each tick's exchange (a graph cut on torch-xla), so that the exchange's
-                graph holds the permutes alone and is the same on every rank.
+            cut: called before and after each phase's exchange (a graph cut on torch-xla), so that the exchange's
+                graph holds the permutes alone and is the same on every rank: ``2E`` calls
+                (:attr:`LockstepPlan.num_exchanges`).
         Returns:
             the last stage's loss of each micro-batch divided by ``m`` (fp32 scalars, detached, in order; their sum
             is the step's mean loss); empty on ranks without the last stage.
+
+        Raises:
+            RuntimeError: the plan left an activation or a received tensor unused (a schedule arithmetic error).
         """
         plan = LockstepPlan(self.num_stages, num_microbatches, train)
-        n = num_microbatches
-        received_fwd: list[tuple[torch.Tensor, ...]] = [() for _ in self.modules]
-        received_bwd: list[tuple[torch.Tensor, ...]] = [() for _ in self.modules]
+        # (local stage v, micro-batch) -> what arrived for it / what its forward saved for the backward
+        inbox_fwd: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
+        inbox_bwd: dict[tuple[int, int], tuple[torch.Tensor, ...]] = {}
         saved: dict[tuple[int, int], tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]] = {}
         losses: list[torch.Tensor] = []
-        for tick in range(plan.num_ticks):
+        for phase in range(plan.num_phases):
             send_fwd: list[Optional[tuple[torch.Tensor, ...]]] = [None] * self.virtual
             send_bwd: list[Optional[tuple[torch.Tensor, ...]]] = [None] * self.virtual
             for v, module in enumerate(self.modules):
-                k = module.stage_index
-                i = plan.forward_of(k, tick)
+                i = plan.forward_of(module.stage_index, phase)
                 if i is not None:
-                    if module.is_first:
-                        inputs: tuple[torch.Tensor, ...] = ()
-                        args: tuple[torch.Tensor, ...] = (first_inputs[i],)
-                    else:
-                        inputs = tuple(x.detach().requires_grad_(train and x.is_floating_point())
-                                       for x in received_fwd[v])
-                        args = inputs
-                    out = module(*args, **kwargs[i])
-                    if module.is_last:
-                        scaled = out.float().sum() / n  # as the 1F1B path's loss_fn: the step loss is their sum
-                        losses.append(scaled.detach())
-                        if train:
-                            scaled.backward()
-                            if not module.is_first:
-                                send_bwd[v] = self._input_grads(inputs)
-                    else:
-                        outs = out if isinstance(out, tuple) else (out,)
-                        send_fwd[v] = outs
-                        if train:
-                            saved[(v, i)] = (inputs, outs)
-                j = plan.backward_of(k, tick)
+                    send_fwd[v], send_bwd[v] = self._forward(module, v, i, train, first_inputs, kwargs, inbox_fwd,
+                                                             saved, losses, num_microbatches)
+                j = plan.backward_of(module.stage_index, phase)
                 if j is not None and not module.is_last:
                     inputs, outs = saved.pop((v, j))
-                    pairs = [(o, g) for o, g in zip(outs, received_bwd[v]) if o.requires_grad]
+                    pairs = [(o, g) for o, g in zip(outs, inbox_bwd.pop((v, j))) if o.requires_grad]
                     if pairs:
                         torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
                     if not module.is_first:
                         send_bwd[v] = self._input_grads(inputs)
-            fwd, bwd = plan.sends_forward(tick), plan.sends_backward(tick)
+            fwd, bwd = plan.sends_forward(phase), plan.sends_backward(phase)
             if fwd or bwd:
                 # the buffers are made in the compute graph; the exchange graph holds the permutes alone
                 packed_fwd = self._pack(send_fwd) if fwd else []
@@ -211,10 +237,46 @@ class LockstepRunner:
                 got_fwd = [self.exchange(b, self.forward_pairs) for b in packed_fwd]
                 got_bwd = [self.exchange(b, self.backward_pairs) for b in packed_bwd]
                 cut()  # before any rank-specific view of what arrived joins the graph
-                if fwd:
-                    received_fwd = self._unpack(got_fwd, forward=True)
-                if bwd:
-                    received_bwd = self._unpack(got_bwd, forward=False)
-        if saved:  # a schedule arithmetic error, never a user error
-            raise RuntimeError(f"pipeline (lockstep): activations of {sorted(saved)} were never back-propagated")
+                self._deliver(plan, phase, got_fwd, got_bwd, inbox_fwd, inbox_bwd)
+        if saved or inbox_fwd or inbox_bwd:  # a schedule arithmetic error, never a user error
+            raise RuntimeError(f"pipeline (lockstep): activations {sorted(saved)} never back-propagated, inputs "
+                               f"{sorted(inbox_fwd)} / gradients {sorted(inbox_bwd)} never used")
         return losses
+
+    def _forward(self, module: nn.Module, v: int, i: int, train: bool, first_inputs: Sequence[torch.Tensor],
+                 kwargs: Sequence[dict[str, torch.Tensor]], inbox: dict, saved: dict, losses: list[torch.Tensor],
+                 n: int) -> tuple[Optional[tuple[torch.Tensor, ...]], Optional[tuple[torch.Tensor, ...]]]:
+        """Micro-batch ``i``'s forward through local stage ``v`` (the last stage: with loss and backward);
+        returns what it sends ``(forward, backward)``."""
+        if module.is_first:
+            inputs: tuple[torch.Tensor, ...] = ()
+            args: tuple[torch.Tensor, ...] = (first_inputs[i],)
+        else:
+            inputs = tuple(x.detach().requires_grad_(train and x.is_floating_point()) for x in inbox.pop((v, i)))
+            args = inputs
+        out = module(*args, **kwargs[i])
+        if module.is_last:
+            scaled = out.float().sum() / n  # as the 1F1B path's loss_fn: the step loss is their sum
+            losses.append(scaled.detach())
+            if not train:
+                return None, None
+            scaled.backward()
+            return None, (None if module.is_first else self._input_grads(inputs))
+        outs = out if isinstance(out, tuple) else (out,)
+        if train:
+            saved[(v, i)] = (inputs, outs)
+        return outs, None
+
+    def _deliver(self, plan: LockstepPlan, phase: int, got_fwd: list[torch.Tensor], got_bwd: list[torch.Tensor],
+                 inbox_fwd: dict, inbox_bwd: dict) -> None:
+        """File what arrived after ``phase`` under the micro-batch the plan says its sender worked on (a stage may
+        use it phases later: the last stage's input waits one phase); zeros from a sender that sent nothing are
+        dropped."""
+        received_fwd = self._unpack(got_fwd, forward=True) if got_fwd else None
+        received_bwd = self._unpack(got_bwd, forward=False) if got_bwd else None
+        for v, module in enumerate(self.modules):
+            k = module.stage_index
+            if received_fwd is not None and k > 0 and (i := plan.forward_of(k - 1, phase)) is not None:
+                inbox_fwd[(v, i)] = received_fwd[v]
+            if received_bwd is not None and not module.is_last and (j := plan.backward_of(k + 1, phase)) is not None:
+                inbox_bwd[(v, j)] = received_bwd[v]
