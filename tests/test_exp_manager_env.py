@@ -107,6 +107,73 @@ def test_env_mapping_existing_variables_win() -> None:
     assert env["NEURON_CC_FLAGS"] == "--foo --auto-cast none --model-type transformer"
 
 
+_NODE = {"MALLOC_ARENA_MAX": "128", "XLA_DISABLE_FUNCTIONALIZATION": "0"}
+_EFA = {"FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1"}
+
+
+@pytest.mark.parametrize("accelerator,nodes,expected", [
+    ("cpu", 2, {}),  # NxDT's train_setup.sh settings are Trainium node settings
+    ("gpu", 1, {}),
+    ("xla", 1, _NODE),
+    ("neuron", 1, _NODE),  # no torch-neuronx here: neuron would run on torch-xla
+    ("xla", 2, {**_NODE, **_EFA}),  # EFA between nodes only
+    ("native", 2, {"MALLOC_ARENA_MAX": "128", **_EFA}),  # TorchNeuron: no torch-xla
+])
+def test_node_settings_where_they_apply(accelerator: str, nodes: int, expected: dict[str, str],
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 39: NxDT's train_setup.sh variables, one row each, only where they apply; the environment wins."""
+    from nxd_lc.runtime import device
+    from nxd_lc.runtime.env import NATIVE_NEFF_CACHE_VAR, NODE_ENV
+
+    cfg = _cfg()
+    cfg.trainer.accelerator, cfg.trainer.num_nodes = accelerator, nodes
+    if accelerator == "native":
+        cfg.trainer.accelerator = "neuron"
+        monkeypatch.setattr(device, "neuron_resolution", lambda: "neuron_native")
+    env: dict[str, str] = {}
+    rows = {e.var: e for e in apply_env(cfg, environ=env)}
+    node_vars = {var for var, _, _ in NODE_ENV}
+    assert {v: env[v] for v in node_vars if v in env} == expected
+    assert all(rows[v].key == ("trainer.num_nodes" if v.startswith("FI_") else "trainer.accelerator")
+               for v in expected)
+    assert (NATIVE_NEFF_CACHE_VAR in env) is (accelerator == "native")  # compiler_cache_url on TorchNeuron
+    if accelerator == "native":
+        assert env[NATIVE_NEFF_CACHE_VAR] == cfg.compiler_cache_url
+        cfg.compiler_cache_url = "s3://bucket/cache"  # not a directory: TorchNeuron keeps its default
+        assert NATIVE_NEFF_CACHE_VAR not in {e.var for e in apply_env(cfg, environ={})}
+    if expected:
+        preset = {"FI_PROVIDER": "sockets", "MALLOC_ARENA_MAX": "8"}
+        rows = {e.var: e for e in apply_env(cfg, environ=preset)}
+        assert preset["MALLOC_ARENA_MAX"] == "8" and rows["MALLOC_ARENA_MAX"].source == "environment"
+        assert preset["FI_PROVIDER"] == "sockets"
+        assert ("FI_PROVIDER" in rows) is (nodes > 1)
+        assert all(rows[v].source == "environment" for v in ("FI_PROVIDER", "MALLOC_ARENA_MAX") if v in rows)
+
+
+def test_malloc_arena_max_reaches_this_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """glibc reads MALLOC_ARENA_MAX at the first allocation: startup also applies it with mallopt, for the live
+    process only (not for a dry run's copy of the environment, nor when the environment set it)."""
+    from nxd_lc.runtime import env as env_module
+
+    calls: list[str] = []
+    monkeypatch.setattr(env_module, "limit_malloc_arenas", calls.append)
+    cfg = _cfg()
+    cfg.trainer.accelerator = "xla"
+    apply_env(cfg, environ={})
+    assert calls == []
+    monkeypatch.setattr(os, "environ", {})
+    apply_env(cfg)
+    assert calls == ["128"]
+    monkeypatch.setattr(os, "environ", {"MALLOC_ARENA_MAX": "64"})
+    apply_env(cfg)
+    assert calls == ["128"]
+    monkeypatch.undo()
+    import platform
+
+    assert env_module.limit_malloc_arenas("128") is (platform.libc_ver()[0] == "glibc")
+    assert env_module.limit_malloc_arenas("many") is False
+
+
 @pytest.mark.parametrize("ptype,sr", [("bf16SR", "1"), ("mixed_precision", "0"), ("mixed_precisionSR", "1"),
                                       ("manual", "0")])
 def test_precision_env_never_turns_float32_into_bf16(ptype: str, sr: str) -> None:

@@ -42,6 +42,7 @@ from nxd_lc.app.validation import cross_field_problems, path_problems, unsupport
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.runtime import accel, xla
 from nxd_lc.runtime.device import is_lazy_config_accelerator
+from nxd_lc.runtime.env import NODE_ENV
 
 #: words that would name the accelerator in a refusal
 _ACCELERATOR_WORDS = ("trainer.accelerator", "xla", "neuron", "point-to-point", "send/recv")
@@ -109,8 +110,11 @@ def _stops(report: str) -> list[str]:
 
 def _differing(a: str, b: str) -> list[tuple[str, str]]:
     """Lines that differ, without the on-device precision line (printed on xla / neuron only; its own test:
-    ``tests/test_precision_device.py``)."""
-    la, lb = ([x for x in r.splitlines() if " on the device (" not in x] for r in (a, b))
+    ``tests/test_precision_device.py``) and the node settings' environment rows (set on xla / neuron only; their
+    own test: ``tests/test_exp_manager_env.py``)."""
+    node_vars = tuple(f"{var} " for var, _, _ in NODE_ENV)
+    la, lb = ([x for x in r.splitlines() if " on the device (" not in x and not x.startswith(node_vars)]
+              for r in (a, b))
     assert len(la) == len(lb), (len(la), len(lb))
     return [(x, y) for x, y in zip(la, lb) if x != y]
 

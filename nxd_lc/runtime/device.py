@@ -73,6 +73,18 @@ def is_lazy_config_accelerator(name: str) -> bool:
     return False
 
 
+def config_runtime(name: str) -> str:
+    """What ``trainer.accelerator: name`` runs on at this host, decided without starting anything (dry run,
+    environment table): ``'torch_xla'`` (:func:`is_lazy_config_accelerator`: xla, or the torch-xla based Neuron),
+    ``'neuron_native'`` (TorchNeuron's PrivateUse1 device, for ``neuron`` / ``auto`` where it is present) or
+    ``'host'`` (cpu, gpu, and ``auto`` resolving to either)."""
+    if is_lazy_config_accelerator(name):
+        return "torch_xla"
+    if name in ("neuron", "auto") and neuron_resolution() == "neuron_native":
+        return "neuron_native"
+    return "host"
+
+
 def resolve_accelerator(name: str) -> str:
     """``trainer.accelerator`` -> 'cpu' | 'gpu' | 'xla' | 'neuron' | 'neuron_native'.
 

@@ -16,6 +16,21 @@ refused on xla / neuron by :func:`preset_bf16_flags` (named, with the fix). The 
 ``xla_use_bf16`` / ``xla_downcast_bf16`` of ``precision.type: manual`` keep NxDT's meaning (bf16 parameters)
 through that cast. ``NEURON_RT_STOCHASTIC_ROUNDING_EN`` is still set from the mode: on Neuron the runtime then
 rounds fp32 -> bf16 stochastically in hardware (:func:`nxd_lc.precision.stochastic_rounding.hardware_rounding`).
+
+**Node settings** (:data:`NODE_ENV`): what NxDT's launcher ``examples/train_setup.sh`` exports on every Trainium
+node (facts in ``shared/reference/neuron_platform.md``, "Node settings", and issue 39), one row each, only where
+they apply (:func:`node_env`): ``MALLOC_ARENA_MAX=128`` on xla / neuron (torch-xla or the native device: 32-64
+processes of many threads per node), ``XLA_DISABLE_FUNCTIONALIZATION=0`` where torch-xla runs (it is torch-xla's
+default: functionalization on), and the EFA variables ``FI_PROVIDER=efa``, ``FI_EFA_USE_DEVICE_RDMA=1``,
+``FI_EFA_FORK_SAFE=1`` on xla / neuron runs of several nodes (libfabric, which the Neuron runtime's collectives use
+between nodes, reads them when it starts, after this table is applied). The environment wins, as for every row.
+glibc reads ``MALLOC_ARENA_MAX`` once, at the process's first allocation, so the variable set here reaches only
+the processes started later (the Neuron compiler, data workers); :func:`apply_env` also applies it to the running
+process with ``mallopt(M_ARENA_MAX)`` (glibc). The SLURM example exports all of them before the processes start.
+
+**TorchNeuron's NEFF cache**: on the native ``neuron`` device ``compiler_cache_url`` also sets
+``TORCH_NEURONX_NEFF_CACHE_DIR`` (:data:`NATIVE_NEFF_CACHE_VAR`; the variable the April 2026 torch-neuronx source
+names, default ``/tmp/neff_cache``: ``shared/reference/neuron_platform.md``), when it is a local directory.
 """
 
 from __future__ import annotations
@@ -27,6 +42,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.runtime.device import config_runtime
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +60,24 @@ PRECISION_ENV: dict[str, tuple[str, str, str | None, str]] = {
     "fp32": ("0", "0", None, "--auto-cast none"),
     "autocast": ("0", "0", "0", "--enable-mixed-precision-accumulation --auto-cast none"),
 }
+
+
+#: NxDT ``train_setup.sh``'s node settings: (variable, value, where it applies). 'xla_neuron': accelerator xla or
+#: neuron (torch-xla or the native device); 'torch_xla': where torch-xla runs; 'efa': xla / neuron on more than one
+#: node (``trainer.num_nodes`` > 1). Module docstring: sources and why each applies there.
+NODE_ENV: tuple[tuple[str, str, str], ...] = (
+    ("MALLOC_ARENA_MAX", "128", "xla_neuron"),
+    ("XLA_DISABLE_FUNCTIONALIZATION", "0", "torch_xla"),
+    ("FI_PROVIDER", "efa", "efa"),
+    ("FI_EFA_USE_DEVICE_RDMA", "1", "efa"),
+    ("FI_EFA_FORK_SAFE", "1", "efa"),
+)
+
+#: TorchNeuron's NEFF cache directory variable (native ``neuron`` device; module docstring).
+NATIVE_NEFF_CACHE_VAR = "TORCH_NEURONX_NEFF_CACHE_DIR"
+
+#: glibc ``malloc.h``'s ``M_ARENA_MAX`` parameter number for ``mallopt``.
+_M_ARENA_MAX = -8
 
 
 @dataclass
@@ -77,6 +111,9 @@ def desired_env(cfg: NxdConfig) -> list[tuple[str, str, str]]:
     if cfg.compiler_flags:
         rows.append(("compiler_flags", "NEURON_CC_FLAGS", cfg.compiler_flags))
     rows.append(("compiler_cache_url", "NEURON_COMPILE_CACHE_URL", cfg.compiler_cache_url))
+    runtime = config_runtime(cfg.trainer.accelerator)
+    if runtime == "neuron_native" and cfg.compiler_cache_url and "://" not in cfg.compiler_cache_url:
+        rows.append(("compiler_cache_url", NATIVE_NEFF_CACHE_VAR, cfg.compiler_cache_url))
     rows.append(("model.fusions.softmax", "NEURON_FUSE_SOFTMAX", _bool_str(cfg.model.fusions.softmax)))
     optional = [
         ("async_exec_max_inflight_requests", "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS",
@@ -88,7 +125,33 @@ def desired_env(cfg: NxdConfig) -> list[tuple[str, str, str]]:
          None if cfg.neuron_experimental_compress_rg is None else _bool_str(cfg.neuron_experimental_compress_rg)),
     ]
     rows += [(k, var, str(v)) for k, var, v in optional if v is not None]
-    return rows
+    return rows + node_env(runtime, cfg.trainer.num_nodes)
+
+
+def node_env(runtime: str, num_nodes: int) -> list[tuple[str, str, str]]:
+    """(config key, variable, value) of the :data:`NODE_ENV` rows that apply to a run on ``runtime``
+    (:func:`nxd_lc.runtime.device.config_runtime`: 'torch_xla' | 'neuron_native' | 'host') over ``num_nodes``
+    nodes. The config key is the one that decides whether the row applies (``trainer.accelerator``, or
+    ``trainer.num_nodes`` for EFA)."""
+    applies = {"xla_neuron": runtime != "host", "torch_xla": runtime == "torch_xla",
+               "efa": runtime != "host" and num_nodes > 1}
+    return [("trainer.num_nodes" if where == "efa" else "trainer.accelerator", var, value)
+            for var, value, where in NODE_ENV if applies[where]]
+
+
+def limit_malloc_arenas(value: str) -> bool:
+    """Apply ``MALLOC_ARENA_MAX=value`` to this process: ``mallopt(M_ARENA_MAX, value)`` (glibc reads the variable
+    only at the first allocation, long before nxd_lc runs). Returns True when glibc accepted it, False elsewhere
+    (another C library, a value that is not an integer, mallopt refusing it)."""
+    import ctypes
+    import platform
+
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    try:
+        return bool(ctypes.CDLL(None).mallopt(_M_ARENA_MAX, int(value)))
+    except (OSError, AttributeError, ValueError):
+        return False
 
 
 def apply_env(cfg: NxdConfig, environ: dict[str, str] | None = None) -> list[EnvEntry]:
@@ -115,6 +178,9 @@ def apply_env(cfg: NxdConfig, environ: dict[str, str] | None = None) -> list[Env
         else:
             env[var] = value
             table[var] = EnvEntry(key, var, value, "config")
+    arenas = table.get("MALLOC_ARENA_MAX")
+    if environ is None and arenas is not None and arenas.source == "config":  # the live process, not a dry run
+        limit_malloc_arenas(arenas.value)
     return list(table.values())
 
 
