@@ -187,33 +187,64 @@ def test_trainer_keys_are_validated() -> None:
     assert not domain_problems(cfg)
 
 
+def stdlib_corpus(dst: Path) -> Path:
+    """``dst`` made and filled with 40 small stdlib modules (200 B - 4 kB, in path order): real text to train on."""
+    dst.mkdir()
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    small = sorted(p for p in stdlib.glob("*.py") if 200 <= p.stat().st_size <= 4000)[:40]
+    for i, src in enumerate(small):
+        shutil.copy(src, dst / f"doc_{i:03d}.py")
+    return dst
+
+
+def run_with_nan_step(raw: Any, nan_step: int, env: dict[str, str] | None = None) -> Any:
+    """``train.py``'s path (:func:`nxd_lc.app.run.run`) on the composed config ``raw`` in this process, with one
+    parameter's gradient made NaN before optimizer step ``nan_step`` and ``env`` added to the environment. The
+    environment (the run sets its table; torchrun's variables and ``XLA_PERSISTENT_CACHE_PATH`` are removed) and
+    ``torch.distributed`` are restored afterwards. Returns the Trainer."""
+    import pytorch_lightning as pl
+
+    import nxd_lc.lightning.trainer as trainer_module
+    from nxd_lc.app.run import _shutdown_distributed, run
+
+    class PoisonStep(pl.Callback):
+        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
+            if trainer.global_step + 1 == nan_step:  # callbacks run before the module's hook: after backward
+                next(p for p in pl_module.parameters() if p.grad is not None).grad.fill_(float("nan"))
+
+    build = trainer_module.build_trainer
+
+    def build_with_poison(*args: Any, **kwargs: Any) -> Any:
+        trainer = build(*args, **kwargs)
+        trainer.callbacks.insert(0, PoisonStep())
+        return trainer
+
+    trainer_module.build_trainer = build_with_poison
+    saved = dict(os.environ)
+    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                "XLA_PERSISTENT_CACHE_PATH"):
+        os.environ.pop(key, None)
+    os.environ.update(env or {})
+    try:
+        return run(raw)
+    finally:
+        trainer_module.build_trainer = build
+        _shutdown_distributed()
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 @pytest.mark.slow
 def test_a_job_with_a_nan_step_exits_with_the_error_and_keeps_the_last_finite_checkpoint(tmp_path: Path) -> None:
     """``train.py``'s path (nxd_lc.app.run on the CPU demo config), a checkpoint every step, NaN gradients in
     step 3: the run raises naming step 3, the newest checkpoint is step 2's, and it is finite."""
-    import pytorch_lightning as pl
     from hydra import compose, initialize_config_dir
 
-    import nxd_lc.lightning.trainer as trainer_module
-    from nxd_lc.app.run import _shutdown_distributed, run
     from nxd_lc.checkpoint import sharded
-
-    class PoisonStep3(pl.Callback):
-        def on_before_optimizer_step(self, trainer: Any, pl_module: Any, optimizer: Any) -> None:
-            if trainer.global_step + 1 == 3:  # callbacks run before the module's hook: after backward
-                for p in pl_module.parameters():
-                    if p.grad is not None:
-                        p.grad.fill_(float("nan"))
-                        break
 
     repo = Path(__file__).resolve().parent.parent
     run_dir = tmp_path / "run"
-    corpus = tmp_path / "corpus"
-    corpus.mkdir()
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    small = sorted(p for p in stdlib.glob("*.py") if 200 <= p.stat().st_size <= 4000)[:40]
-    for i, src in enumerate(small):
-        shutil.copy(src, corpus / f"doc_{i:03d}.py")
+    corpus = stdlib_corpus(tmp_path / "corpus")
     overrides = ["~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=*.py",
                  "data.val_fraction=0.1", "data.tokenizer.vocab_size=300",
                  f"+data.tokenizer.cache_dir={tmp_path / 'tok'}",
@@ -227,25 +258,8 @@ def test_a_job_with_a_nan_step_exits_with_the_error_and_keeps_the_last_finite_ch
                  "distributed_strategy.sequence_parallel=false"]
     with initialize_config_dir(config_dir=str(repo / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
-    build = trainer_module.build_trainer
-
-    def build_with_poison(*args: Any, **kwargs: Any) -> Any:
-        trainer = build(*args, **kwargs)
-        trainer.callbacks.insert(0, PoisonStep3())
-        return trainer
-
-    trainer_module.build_trainer = build_with_poison
-    saved = dict(os.environ)  # the run sets its environment table and starts torch.distributed in this process
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        os.environ.pop(key, None)
-    try:
-        with pytest.raises(NonFiniteTrainingError, match="optimizer step 3"):
-            run(raw)
-    finally:
-        trainer_module.build_trainer = build
-        _shutdown_distributed()
-        os.environ.clear()
-        os.environ.update(saved)
+    with pytest.raises(NonFiniteTrainingError, match="optimizer step 3"):
+        run_with_nan_step(raw, 3)
     root = run_dir / "checkpoints"
     tags = sharded.list_checkpoints(str(root))
     assert [t.split("--")[1].split("-")[0] for t in tags] == ["step=1", "step=2"], tags

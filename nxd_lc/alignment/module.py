@@ -63,6 +63,7 @@ from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import lora_modules
 from nxd_lc.lightning.module import NxDLanguageModel
 from nxd_lc.runtime import xla as xla_runtime
+from nxd_lc.runtime.prewarm import extracting_graphs
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +201,10 @@ class NxDPreferenceModel(NxDLanguageModel):
         tables = {k: compute_reference_table(ds, self._reference_table_rows, collate_pairs,
                                              datamodule.cfg.micro_batch_size, self._sync_if_xla)
                   for k, ds in splits.items()}
-        save_reference_tables(path, key, tables)
+        if extracting_graphs():  # neuron_parallel_compile: the tables hold garbage, never cache them
+            log.info("DPO reference log-probs: not cached (graph extraction, the values are not real)")
+        else:
+            save_reference_tables(path, key, tables)
         self.reference_source = "computed"
         return tables
 

@@ -100,9 +100,10 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         recovery = RecoveryTimer()
         recovery.mark("startup_s")
     try:
-        if cfg.prewarm:  # graph-extraction pass, manifest beside the compile cache (nxd_lc.runtime.prewarm)
-            from nxd_lc.runtime.prewarm import run_prewarm
+        from nxd_lc.runtime.prewarm import extracting_graphs, run_prewarm
 
+        # graph-extraction pass (+prewarm=true, or under neuron_parallel_compile): nxd_lc.runtime.prewarm
+        if cfg.prewarm or extracting_graphs():
             return run_prewarm(cfg, lambda c: _fit(c, trainer_overrides or {}, preemption, recovery))
         return _fit(cfg, trainer_overrides or {}, preemption, recovery)
     finally:

@@ -24,6 +24,11 @@ away, consecutive counts kept on the device, and once the limit is reached no fu
 host reads the counters where it reads the device anyway (logging steps: ``trainer.log_every_n_steps``, a
 checkpoint save, the last step) and raises there, naming the steps where it happened. The run therefore stops at
 most ``log_every_n_steps - 1`` steps later on XLA, with the weights of the last finite step.
+
+Under ``neuron_parallel_compile`` (``NEURON_EXTRACT_GRAPHS_ONLY`` set: :func:`nxd_lc.runtime.prewarm.
+extracting_graphs`) every value read back is garbage or zeros, so the host side decides nothing: the eager host
+decision and :meth:`NonFiniteStepGuard.check` do nothing. The in-graph selection is still traced, so the graphs
+extracted are the training run's.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Any, Optional
 import torch
 
 from nxd_lc.optim.nonfinite import UpdateSnapshot, select_update, skip_update, snapshot_update_state
+from nxd_lc.runtime.prewarm import extracting_graphs
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +107,8 @@ class NonFiniteStepGuard:
         if self.in_graph is None:
             self.in_graph = norm.device.type == "xla"
         if not self.in_graph:
-            self._host_decision(bool(torch.isfinite(norm)), step, optimizer, params)
+            if not extracting_graphs():  # under neuron_parallel_compile the norm read back is not real
+                self._host_decision(bool(torch.isfinite(norm)), step, optimizer, params)
             return
         dev = norm.device
         if self._step_t is None:
@@ -144,10 +151,12 @@ class NonFiniteStepGuard:
         """In-graph path: read the counters (a device-to-host transfer: call it only where the host reads the
         device anyway) and raise when the limit was reached; warn about updates skipped since the last check.
 
+        Does nothing under ``neuron_parallel_compile`` (module docstring: the counters read back are not real).
+
         Raises:
             NonFiniteTrainingError: ``limit`` non-finite steps in a row happened.
         """
-        if not self.in_graph or self._trip_t is None:
+        if not self.in_graph or self._trip_t is None or extracting_graphs():
             return
         # two transfers of values the step's graph already computed (a stack would be a new graph to compile)
         trip, skipped = int(self._trip_t.cpu()), int(self._skipped_t.cpu())

@@ -22,8 +22,9 @@ real persistent compile cache is the Neuron compiler's NEFF cache at ``NEURON_CO
 that torch-xla's persistent cache does not replace, so recording leaves it working; torch-xla 2.9 cannot load
 its own serialized executables back through a PJRT plugin (CPU, TPU, Neuron: pytorch/xla#9094), so a per-run
 torch-xla cache loses nothing. A user who set ``XLA_PERSISTENT_CACHE_PATH`` keeps it: recording is then off
-(one info line). Recording on Trainium is untested here (no Trainium host): the extra cost is writing one
-serialized executable per graph, once per graph.
+(one info line). On Neuron recording is off (one info line; issue 39) until it is verified there: nothing has run
+through Neuron's PJRT plugin with torch-xla's persistent cache on. Under ``neuron_parallel_compile`` it is off too
+(:mod:`nxd_lc.runtime.prewarm`).
 
 Manifest file ``<compiler_cache_url>/nxd_lc_graph_manifest.json``::
 

@@ -25,6 +25,26 @@ optimizer state are materialized device data and the host copies are transfers. 
 The step count is capped at ``trainer.max_steps``. Not covered: how the last step of the run falls relative to
 L and V can add graphs read back at the end of fit (once, after the last step), and fractional
 ``val_check_interval`` validations (at epoch ends) are covered only when an epoch ends within the prewarm.
+
+**Under neuron_parallel_compile** (``neuron_parallel_compile torchrun train.py ...``, as Neuron users prewarm):
+torch-neuronx's tool runs the script with ``NEURON_EXTRACT_GRAPHS_ONLY`` set; graphs are extracted, not executed,
+then compiled in parallel into ``NEURON_COMPILE_CACHE_URL``, and every tensor read back holds garbage or zeros
+(``shared/reference/neuron_platform.md``, "Compile cache and prewarm"). :func:`extracting_graphs` reads the variable
+as neuronx-distributed's Python code does (``if os.environ.get("NEURON_EXTRACT_GRAPHS_ONLY", None):``: set = any
+non-empty value; ``neuron_parallel_compile`` sets ``1``). The run is then this module's prewarm whatever
+``prewarm`` says (:func:`run_prewarm`, one log line): the prewarm's config (no checkpoints, no TensorBoard, no
+resume) with its step count capped at :data:`EXTRACT_MAX_STEPS` = 10, the length of NxDT's ``train.sh`` compile
+run (``COMPILE=1``: "about 10 steps, no checkpoints"; issue 39 and neuron_platform.md), no graph manifest
+(:func:`begin_graph_recording`) and no host-side non-finite / loss checks
+(:meth:`nxd_lc.lightning.nonfinite.NonFiniteStepGuard.check`: the values are not real). The graphs stay the training
+run's: the in-graph non-finite selection is still traced, only its read-back is skipped. A schedule longer than 10
+steps (``log_every_n_steps`` >= 10, or a long validation pattern) is cut at 10 with a warning: graphs first met
+after step 10 compile in the training run.
+
+On Neuron (``trainer.accelerator: neuron`` or ``xla`` with ``PJRT_DEVICE=NEURON``, and the native device) no graph
+manifest is recorded at all: torch-xla's persistent cache, which records it, has not been verified through
+Neuron's PJRT plugin (:func:`begin_graph_recording` logs why). The Neuron compiler's own cache at
+``compiler_cache_url`` is what a prewarm fills there.
 """
 
 from __future__ import annotations
@@ -35,7 +55,7 @@ import math
 import os
 import shutil
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.runtime.compile_cache import (
@@ -49,15 +69,29 @@ from nxd_lc.runtime.compile_cache import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GRAPH_RECORD_SUBDIR", "PREWARM_MIN_STEPS", "begin_graph_recording", "check_run_graphs",
-           "end_graph_recording", "finish_prewarm", "prewarm_config", "prewarm_schedule", "prewarm_steps",
-           "run_prewarm"]
+__all__ = ["EXTRACT_MAX_STEPS", "GRAPHS_ONLY_ENV", "GRAPH_RECORD_SUBDIR", "PREWARM_MIN_STEPS",
+           "begin_graph_recording", "check_run_graphs", "end_graph_recording", "extracting_graphs", "finish_prewarm",
+           "prewarm_config", "prewarm_schedule", "prewarm_steps", "run_prewarm"]
 
 #: Sub-directory of ``compiler_cache_url`` holding the per-run graph record directories.
 GRAPH_RECORD_SUBDIR = "nxd_lc_graphs"
 
 #: Fewest optimizer steps of a prewarm: step 1 (no optimizer state yet), step 2 (state exists), one more.
 PREWARM_MIN_STEPS = 3
+
+#: Set by torch-neuronx's ``neuron_parallel_compile``: graphs are extracted, not executed (module docstring).
+GRAPHS_ONLY_ENV = "NEURON_EXTRACT_GRAPHS_ONLY"
+
+#: Most optimizer steps of a run under ``neuron_parallel_compile``: NxDT's ``train.sh`` compile run (``COMPILE=1``)
+#: trains about 10 steps with no checkpoints (issue 39; ``shared/reference/neuron_platform.md``).
+EXTRACT_MAX_STEPS = 10
+
+
+def extracting_graphs(environ: Optional[Mapping[str, str]] = None) -> bool:
+    """True under ``neuron_parallel_compile``: :data:`GRAPHS_ONLY_ENV` is set to a non-empty value in ``environ``
+    (default ``os.environ``), as neuronx-distributed tests it (``os.environ.get(..., None)`` for truth: ``0`` counts
+    as set, an empty value does not). Values read back from the device are then not real (module docstring)."""
+    return bool((os.environ if environ is None else environ).get(GRAPHS_ONLY_ENV))
 
 
 def _validation_interval(cfg: NxdConfig) -> Optional[int]:
@@ -99,19 +133,22 @@ def prewarm_steps(cfg: NxdConfig) -> int:
     return prewarm_schedule(cfg)[0]
 
 
-def prewarm_config(cfg: NxdConfig) -> NxdConfig:
-    """``cfg`` for the prewarm: :func:`prewarm_schedule`'s steps and validation interval, no checkpoints, no
-    TensorBoard, no resume.
+def prewarm_config(cfg: NxdConfig, max_steps_cap: Optional[int] = None) -> NxdConfig:
+    """``cfg`` for the prewarm: :func:`prewarm_schedule`'s steps (at most ``max_steps_cap`` when given: the
+    :data:`EXTRACT_MAX_STEPS` of a ``neuron_parallel_compile`` run) and validation interval, no checkpoints, no
+    TensorBoard, no resume, ``prewarm`` true.
 
     The model, data, parallel layout, precision, ``log_every_n_steps`` and ``limit_val_batches`` are unchanged, so
     the graphs are the training run's. The original ``cfg`` is not modified.
     """
     steps, val = prewarm_schedule(cfg)
+    if max_steps_cap is not None:
+        steps = min(steps, max_steps_cap)
     em = dataclasses.replace(cfg.exp_manager, create_checkpoint_callback=False, create_tensorboard_logger=False,
                              resume_if_exists=False, resume_from_checkpoint=None)
     trainer = dataclasses.replace(cfg.trainer, max_steps=steps,
                                   val_check_interval=cfg.trainer.val_check_interval if val is None else val)
-    return dataclasses.replace(cfg, exp_manager=em, trainer=trainer)
+    return dataclasses.replace(cfg, exp_manager=em, trainer=trainer, prewarm=True)
 
 
 def finish_prewarm(cfg: NxdConfig, record_dir: str, steps: int, config_name: str = "") -> str:
@@ -143,10 +180,12 @@ def begin_graph_recording(cfg: NxdConfig, accelerator: str, rank: int) -> Option
     """Start recording this process's graphs for the manifest (prewarm or check); return the record directory.
 
     Call once at startup, after :func:`nxd_lc.runtime.env.apply_env` and before the first graph is compiled.
-    Records on global rank 0 of an xla / neuron run only (the ranks run one program; rank 0's graphs are the
-    manifest), into a fresh ``<compiler_cache_url>/nxd_lc_graphs/run-<time>-<pid>`` (module docstring: why
-    beside the real cache and why it does not disturb it). Returns None, with one info line saying why,
-    when nothing is recorded: cpu / gpu (no lazy graphs), rank != 0, a remote ``compiler_cache_url``
+    Records on global rank 0 of an xla run off Neuron only (the ranks run one program; rank 0's graphs are the
+    manifest), into a fresh ``<compiler_cache_url>/nxd_lc_graphs/run-<time>-<pid>`` (:mod:`compile_cache`'s
+    docstring: why beside the real cache and why it does not disturb it). Returns None when nothing is recorded:
+    cpu / gpu (no lazy graphs), rank != 0, and, with one info line saying why, under ``neuron_parallel_compile``
+    (:func:`extracting_graphs`), on Neuron (``neuron``, ``neuron_native``, or ``xla`` with ``PJRT_DEVICE=NEURON``:
+    torch-xla's persistent cache is not verified through Neuron's PJRT plugin), a remote ``compiler_cache_url``
     (``s3://...``: the manifest needs a local directory), or ``XLA_PERSISTENT_CACHE_PATH`` already set (the
     user's own torch-xla persistent cache wins; recording would take it over).
 
@@ -154,25 +193,41 @@ def begin_graph_recording(cfg: NxdConfig, accelerator: str, rank: int) -> Option
         ModuleNotFoundError: xla / neuron without torch-xla.
     """
     what = "prewarm manifest" if cfg.prewarm else "graph manifest check"
-    if accelerator not in ("xla", "neuron"):
+    if accelerator not in ("xla", "neuron", "neuron_native"):
         if cfg.prewarm:
             log.warning("prewarm on trainer.accelerator=%s: no lazy graphs to record, no manifest written",
                         accelerator)
         return None
     if rank != 0:
         return None
-    reason = None
-    if "://" in cfg.compiler_cache_url or not cfg.compiler_cache_url:
-        reason = f"compiler_cache_url={cfg.compiler_cache_url!r} is not a local directory"
-    elif os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
-        reason = (f"XLA_PERSISTENT_CACHE_PATH={os.environ['XLA_PERSISTENT_CACHE_PATH']!r} is set (your torch-xla "
-                  "persistent cache is kept; unset it to record graphs)")
+    reason = _not_recorded_because(cfg, accelerator)
     if reason:
         log.info("%s off: %s", what, reason)
         return None
     root = os.path.join(os.path.abspath(cfg.compiler_cache_url), GRAPH_RECORD_SUBDIR)
     record_dir = os.path.join(root, f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}")
     return start_graph_recording(record_dir)
+
+
+def _not_recorded_because(cfg: NxdConfig, accelerator: str) -> Optional[str]:
+    """Why :func:`begin_graph_recording` records nothing on rank 0 of an xla / neuron run (None: it records)."""
+    from nxd_lc.runtime.xla import torch_xla_available, xla_hardware
+
+    if extracting_graphs():
+        return (f"{GRAPHS_ONLY_ENV}={os.environ[GRAPHS_ONLY_ENV]!r} (neuron_parallel_compile: graphs are extracted, "
+                "not run)")
+    if accelerator == "neuron_native":
+        return "TorchNeuron's native device has no torch-xla graphs to record"
+    if "://" in cfg.compiler_cache_url or not cfg.compiler_cache_url:
+        return f"compiler_cache_url={cfg.compiler_cache_url!r} is not a local directory"
+    if os.environ.get("XLA_PERSISTENT_CACHE_PATH"):
+        return (f"XLA_PERSISTENT_CACHE_PATH={os.environ['XLA_PERSISTENT_CACHE_PATH']!r} is set (your torch-xla "
+                "persistent cache is kept; unset it to record graphs)")
+    if accelerator == "neuron" or (torch_xla_available() and xla_hardware() == "NEURON"):
+        return ("on Neuron torch-xla's persistent cache, which records the graphs, is not verified through Neuron's "
+                "PJRT plugin yet (torch-xla 2.9 cannot load its own serialized executables through a plugin: "
+                "pytorch/xla#9094); the Neuron compiler's cache at compiler_cache_url works as before")
+    return None
 
 
 def end_graph_recording(cfg: NxdConfig, record_dir: Optional[str], steps: int) -> Optional[ManifestCheck]:
@@ -204,8 +259,24 @@ def run_prewarm(cfg: NxdConfig, fit: Callable[[NxdConfig], Any]) -> Any:
     """Run the prewarm of ``cfg``: ``fit(prewarm_config(cfg))`` (``fit`` is the training assembly, which records
     the graphs and writes the manifest through :func:`begin_graph_recording` / :func:`end_graph_recording`).
 
+    Under ``neuron_parallel_compile`` (:func:`extracting_graphs`) this is the run whatever ``cfg.prewarm`` says,
+    with at most :data:`EXTRACT_MAX_STEPS` steps (module docstring); one info line says so, and a warning when the
+    prewarm schedule wanted more steps.
+
     Returns what ``fit`` returns (the Trainer).
     """
-    pcfg = prewarm_config(cfg)
-    log.info("prewarm: %d optimizer step(s), no checkpoints, no TensorBoard, no resume", pcfg.trainer.max_steps)
+    if not extracting_graphs():
+        pcfg = prewarm_config(cfg)
+        log.info("prewarm: %d optimizer step(s), no checkpoints, no TensorBoard, no resume", pcfg.trainer.max_steps)
+        return fit(pcfg)
+    pcfg, wanted = prewarm_config(cfg, EXTRACT_MAX_STEPS), prewarm_steps(cfg)
+    log.info("%s=%r (neuron_parallel_compile): graph extraction, values read back are not real: %d optimizer "
+             "step(s) (trainer.max_steps %s; the prewarm schedule, at most NxDT's %d), no checkpoints, no "
+             "TensorBoard, no resume, no graph manifest, no non-finite / loss checks", GRAPHS_ONLY_ENV,
+             os.environ[GRAPHS_ONLY_ENV], pcfg.trainer.max_steps, cfg.trainer.max_steps, EXTRACT_MAX_STEPS)
+    if wanted > pcfg.trainer.max_steps:
+        log.warning("the prewarm schedule of this config has %d steps (log_every_n_steps %d, validation every %s); "
+                    "neuron_parallel_compile runs %d: graphs first met after step %d compile in the training run",
+                    wanted, cfg.trainer.log_every_n_steps, prewarm_schedule(cfg)[1], pcfg.trainer.max_steps,
+                    pcfg.trainer.max_steps)
     return fit(pcfg)
