@@ -1,4 +1,5 @@
-"""Shims for the torch versions nxd_lc supports (2.9 through 2.13): the one place for version fallbacks.
+"""Shims for the torch versions nxd_lc supports (2.9 through 2.14; 2.14, TorchNeuron's newest, is admitted by the
+pins but not run here): the one place for version fallbacks.
 
 Each shim uses the native API where the running torch has it and an equivalent built from older APIs
 otherwise; callers never branch on versions themselves (DESIGN.md principle 10).

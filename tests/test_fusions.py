@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import collections
+import logging
 import sys
 import types
 from typing import Any
@@ -279,8 +280,18 @@ def test_liger_refused_where_it_cannot_run(monkeypatch: pytest.MonkeyPatch) -> N
 
 
 @pytest.mark.compat
-def test_compile_auto_by_device() -> None:
-    assert compile_enabled("auto", "gpu") and compile_enabled("auto", "neuron_native")
+def test_compile_auto_by_device(caplog: pytest.LogCaptureFixture) -> None:
+    assert compile_enabled("auto", "gpu")
+    with caplog.at_level(logging.INFO, logger="nxd_lc"):  # issue 39: eager on TorchNeuron until a run shows it
+        assert not compile_enabled("auto", "neuron_native") and compile_enabled(True, "neuron_native")
+    assert "auto stays eager on TorchNeuron's native neuron device" in caplog.text
+    from nxd_lc.app.run import dry_run  # the dry run says so too, on every host
+    from nxd_lc.config.schema import NxdConfig
+
+    cfg = NxdConfig()
+    assert "# model.compile: auto compiles the decoder layers on gpu (CUDA) only" in dry_run(cfg)
+    cfg.model.compile = False
+    assert "# model.compile:" not in dry_run(cfg)
     assert not compile_enabled("auto", "cpu") and not compile_enabled("auto", "xla")
     assert not compile_enabled("auto", "neuron")  # torch-xla based Neuron compiles its lazy graphs itself
     assert not compile_enabled("auto", "gpu", blocked_by="model_alignment_strategy.peft (LoRA)")

@@ -47,13 +47,24 @@ def dry_run(cfg: NxdConfig) -> str:
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
              f" seq_length {seq_length(cfg)}",
              f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in _device_precision(cfg, env)),
-             *(f"# {line}" for line in memory_report(cfg)),
+             *(f"# {line}" for line in memory_report(cfg)), *_compile_note(cfg),
              "# environment it would set (variables already set in the environment win):", table]
     problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
     if problems:
         lines.append("# launching this config would stop with:")
         lines += [f"#   - {p}" for p in problems]
     return "\n".join(lines)
+
+
+def _compile_note(cfg: NxdConfig) -> list[str]:
+    """The dry run's line on ``model.compile: auto`` (the same on every host; the decision itself is taken at
+    launch on the resolved device: :func:`nxd_lc.models.common.compile.compile_enabled`)."""
+    from nxd_lc.models.common.compile import AUTO_EAGER_NATIVE
+
+    if cfg.model.compile != "auto":
+        return []
+    return ["# model.compile: auto compiles the decoder layers on gpu (CUDA) only, eager on cpu and torch-xla; "
+            f"{AUTO_EAGER_NATIVE}"]
 
 
 def _device_precision(cfg: NxdConfig, env: Mapping[str, str]) -> list[str]:

@@ -294,7 +294,7 @@ class ModelConfig:
     hf_config_overrides: Optional[Dict[str, Any]] = None  # merged over config.json (e.g. rope_scaling: {...})
     tiled_loss_chunk_size: Optional[int] = None  # tokens per chunk of the tiled vocab-parallel CE (None: untiled)
     tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
-    compile: Any = "auto"  # regional torch.compile of each decoder layer: true | false | auto (CUDA / native neuron)
+    compile: Any = "auto"  # regional torch.compile of each decoder layer: true | false | auto (CUDA only for now)
     weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective
@@ -363,7 +363,7 @@ class NxdConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     model_alignment_strategy: Optional[ModelAlignmentStrategyConfig] = None  # sft | dpo | orpo fine-tuning
     compiler_flags: str = ""  # appended to NEURON_CC_FLAGS
-    compiler_cache_url: str = "./compiler_cache"  # NEURON_COMPILE_CACHE_URL
+    compiler_cache_url: str = "./compiler_cache"  # NEURON_COMPILE_CACHE_URL (+ TORCH_NEURONX_NEFF_CACHE_DIR)
     async_exec_max_inflight_requests: Optional[int] = None  # NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS
     bucket_size_collectives: Optional[int] = None  # MiB per DP gradient all-reduce bucket (unset: 64); BUCKET_CAP_MB
     neuron_rt_exec_timeout: Optional[int] = None  # NEURON_RT_EXEC_TIMEOUT (seconds)

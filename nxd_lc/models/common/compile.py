@@ -31,13 +31,20 @@ from torch import nn
 
 log = logging.getLogger(__name__)
 
+#: Why ``model.compile: auto`` stays eager on TorchNeuron's native device (logged there, printed by the dry run).
+AUTO_EAGER_NATIVE = ("auto stays eager on TorchNeuron's native neuron device until a run shows that "
+                     "torch.compile(backend='neuron') compiles nxd_lc's decoder layers (no run has yet, and a compile "
+                     "failure is fatal there by default: no eager fallback); set model.compile: true to try it")
+
+
 def compile_enabled(setting: object, accelerator: str, *, blocked_by: str | None = None) -> bool:
     """Whether the decoder layers are compiled for ``model.compile: setting`` on a resolved ``trainer.accelerator``.
 
-    ``auto`` (the default): compiled on ``gpu`` (CUDA, inductor) and ``neuron_native`` (TorchNeuron,
-    ``backend="neuron"``), where a step of many small eager kernels is launch-bound (H200 profile, DESIGN.md 13);
-    eager on ``cpu`` (compile time is not repaid on short CPU runs) and on torch-xla (``xla``, ``neuron``), which
-    compiles its own lazy graphs; also eager when ``blocked_by`` names a feature not yet checked under compile
+    ``auto`` (the default): compiled on ``gpu`` (CUDA, inductor), where a step of many small eager kernels is
+    launch-bound (H200 profile, DESIGN.md 13); eager on ``cpu`` (compile time is not repaid on short CPU runs), on
+    torch-xla (``xla``, ``neuron``), which compiles its own lazy graphs, and on TorchNeuron's native device
+    (``neuron_native``, logged: :data:`AUTO_EAGER_NATIVE`) until a run there shows that ``backend="neuron"``
+    compiles nxd_lc's layers; also eager when ``blocked_by`` names a feature not yet checked under compile
     (logged). ``True`` / ``False`` are obeyed (validation refuses ``True`` where it cannot work).
 
     Raises:
@@ -47,7 +54,10 @@ def compile_enabled(setting: object, accelerator: str, *, blocked_by: str | None
         return setting
     if not isinstance(setting, str) or setting != "auto":
         raise ValueError(f"model.compile: {setting!r} is not one of true, false, auto")
-    if accelerator not in ("gpu", "neuron_native"):
+    if accelerator == "neuron_native":
+        log.info("model.compile: %s", AUTO_EAGER_NATIVE)
+        return False
+    if accelerator != "gpu":
         return False
     if blocked_by:
         log.info("model.compile: auto stays eager on %s: %s is not supported under compile yet", accelerator,
