@@ -168,6 +168,25 @@ def test_apply_lora_wraps_freezes_and_starts_from_base() -> None:
     assert "layers.0.mlp.gate_up_proj.weight" in model.state_dict()  # base keys unchanged
 
 
+def test_initial_adapters_do_not_depend_on_the_pipeline_split() -> None:
+    """A pipeline stage holds only its layers (the others are placeholders), so it creates fewer adapters; each
+    adapter's ``A`` must still start from the values it has when one device holds every layer (issue 39: LoRA at
+    PP 2 started from other values, and trained to another gradient norm, 1.654 against 1.469)."""
+    def adapters(keep_layers: set[int] | None) -> dict[str, torch.Tensor]:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(_config(), keep_layers=keep_layers)
+        torch.manual_seed(1)
+        apply_lora(model, _peft(ALL))
+        return {n: p.detach().clone() for n, p in model.named_parameters() if n.endswith("lora_A")}
+
+    whole = adapters(None)
+    second_stage = adapters({1})
+    assert second_stage and set(second_stage) < set(whole)
+    for name, a in second_stage.items():
+        close(a, whole[name], atol=0, rtol=0)
+    assert not torch.equal(whole["layers.0.self_attn.qkv_proj.lora_A"], whole["layers.1.self_attn.qkv_proj.lora_A"])
+
+
 def test_bad_config_and_targets_raise() -> None:
     model = LlamaForCausalLM(_config())
     with pytest.raises(ValueError, match=r"model_alignment_strategy\.peft\.target_modules: unknown module name\(s\) "

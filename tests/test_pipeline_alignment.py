@@ -45,11 +45,12 @@ ATOL = 2e-5
 REWARDS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins")
 
 
-def _cfg(data: tuple[str, str], algorithm: str, pp: int) -> NxdConfig:
+def _cfg(data: tuple[str, str], algorithm: str, pp: int, live: bool = False) -> NxdConfig:
     cfg = NxdConfig()
     cfg.data = DataConfig(micro_batch_size=1, global_batch_size=N_MB, train_dir=data[0], val_dir=data[1])
     cfg.distributed_strategy.pipeline_model_parallel_size = pp
-    sub = DPOConfig(kl_beta=KL_BETA) if algorithm == "dpo" else ORPOConfig(beta=ORPO_BETA)
+    sub = DPOConfig(kl_beta=KL_BETA, precompute_ref_log_probs=not live) if algorithm == "dpo" \
+        else ORPOConfig(beta=ORPO_BETA)
     cfg.model_alignment_strategy = ModelAlignmentStrategyConfig(**{algorithm: sub})
     return cfg
 
@@ -129,11 +130,16 @@ def _rank_model(ckpt: str) -> LlamaForCausalLM:
 def _worker(rank: int, world: int, algorithm: str, data: tuple[str, str], initial: str, policy: str,
             train: dict[str, torch.Tensor], val: dict[str, torch.Tensor], ref: dict[str, Any], cache: str) -> None:
     ps.initialize_model_parallel(pipeline_model_parallel_size=world)
-    cfg = _cfg(data, algorithm, world)
+    live = algorithm == "dpo_live"
+    algorithm = "dpo" if live else algorithm
+    cfg = _cfg(data, algorithm, world, live=live)
     model = _rank_model(initial)
     module = NxDPreferenceModel(cfg, model)
     assert module.pipeline is not None
-    if algorithm == "dpo":  # the reference table through the pipeline, forward only, on every rank
+    if live:  # a frozen copy of the initial weights, run through its own forward-only pipeline every step
+        module.prepare_reference()
+        assert module.reference_source == "frozen_copy" and module._frozen_pipeline is not None
+    elif algorithm == "dpo":  # the reference table through the pipeline, forward only, on every rank
         module.prepare_reference(_datamodule(cfg, N_MB), cache_dir=cache)
         assert module.reference_source == "computed"
         # the cache key leaves the pipeline layout out: the same file name as the one-process run's
@@ -178,15 +184,18 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
 
 @pytest.mark.compat
 @pytest.mark.distributed
-@pytest.mark.parametrize("algorithm", ["dpo", "orpo"])
+@pytest.mark.parametrize("algorithm", ["dpo", "dpo_live", "orpo"])
 def test_preference_pp2_matches_transformers(checkpoints: tuple[str, str], tmp_path: Path, algorithm: str) -> None:
+    """``dpo_live``: DPO with ``precompute_ref_log_probs: false`` (the frozen copy's forward-only pipeline pass
+    in every step and validation step), against the same transformers reference as the precomputed table."""
     data = _write_data(tmp_path / "data")
     initial, policy = checkpoints
-    dm = _datamodule(_cfg(data, algorithm, 2), N_MB)
+    base = "dpo" if algorithm == "dpo_live" else algorithm
+    dm = _datamodule(_cfg(data, base, 2), N_MB)
     train = next(iter(dm.train_dataloader()))  # the step's 2 micro-batches of 1 pair: [4, S], chosen rows first
     assert train["input_ids"].shape[0] == 2 * N_MB and train["sample_index"].shape == (N_MB,)
     val = next(iter(dm.val_dataloader()))  # one pair
-    ref = _reference(algorithm, initial, policy, train, val, dm)
+    ref = _reference(base, initial, policy, train, val, dm)
     if algorithm == "dpo":  # the one-process (PP=1) table's cache file
         single = NxDPreferenceModel(_cfg(data, algorithm, 1), _rank_model(initial))
         single.prepare_reference(_datamodule(_cfg(data, algorithm, 1), 1), cache_dir=os.fspath(tmp_path / "pp1"))

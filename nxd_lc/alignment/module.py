@@ -114,6 +114,7 @@ class NxDPreferenceModel(NxDLanguageModel):
         self.reference_source: Optional[str] = None
         self.reference_cache_file: Optional[str] = None
         self._frozen: Optional[FrozenReference] = None  # a plain attribute: outside the module tree
+        self._frozen_pipeline: Any = None  # PP: the pipeline engine over the frozen copy's stages
         self._ref_tables: dict[str, torch.Tensor] = {}  # split -> [N, 4] float32 (CPU master copy)
         self._ref_tables_device: dict[str, torch.Tensor] = {}
         self._metric_names: tuple[str, ...] = ()
@@ -164,13 +165,11 @@ class NxDPreferenceModel(NxDLanguageModel):
         if self.algorithm != "dpo" or self.reference_source is not None:
             return
         if not self.alignment_cfg.precompute_ref_log_probs:
-            if self.pipeline is not None:
-                raise ValueError("model_alignment_strategy.dpo.precompute_ref_log_probs: false is not available "
-                                 "with pipeline parallelism; set it true")
             if lora_modules(self.model):
                 self.reference_source = "lora_base"
                 return
             self._frozen = FrozenReference(self.model)
+            self._frozen_pipeline = self._build_pipeline(self._frozen.model)  # PP: the copy's own stages
             self.reference_source = "frozen_copy"
             log.info("DPO reference: frozen copy of the policy, %.1f MiB on this rank",
                      self._frozen.num_bytes / 2**20)
@@ -248,14 +247,29 @@ class NxDPreferenceModel(NxDLanguageModel):
                 table = self._ref_tables_device[split] = self._ref_tables[split].to(device)
             return lookup_reference(table, shard["sample_index"])
         if self.reference_source == "lora_base":
-            model = self.model
+            model, engine = self.model, self.pipeline
         elif self._frozen is not None:
-            model = self._frozen.model
+            model, engine = self._frozen.model, self._frozen_pipeline
         else:
             raise RuntimeError("the DPO reference is not set up: call module.prepare_reference(datamodule) after "
                                "loading the weights and before trainer.fit")
         with reference_forward(model):
-            return self._sequence_log_probs(model, shard)
+            if engine is None:
+                return self._sequence_log_probs(model, shard)
+            return self._pipelined_reference(engine, shard)
+
+    def _pipelined_reference(self, engine: Any, shard: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """PP, live reference: the step's ``N`` micro-batches of ``P`` pairs (``shard``, rows chosen first) once
+        through ``engine``'s forward-only schedule (the reference's stages; no grad, inside
+        :func:`reference_forward`), each micro-batch's rows ``[P, 4]`` from the last stage; returns
+        ``(sums [2NP] fp32, counts [2NP] int64)`` in the batch's row layout, the same on every pipeline rank (as
+        :func:`lookup_reference` returns for the precomputed table)."""
+        n = shard["input_ids"].shape[0] // self._pipeline_micro_batch_rows()
+        pairs = self.cfg.data.micro_batch_size
+        out = engine.run_objective(interleave_pairs_by_microbatch(shard, n), train=False,
+                                   objective=reference_rows_objective(pairs))
+        rows = out.metrics["rows"].reshape(n * pairs, 4)  # pair order: micro-batch i holds pairs iP..(i+1)P-1
+        return torch.cat([rows[:, 0], rows[:, 2]]), torch.cat([rows[:, 1], rows[:, 3]]).round().long()
 
     # ---- loss ---------------------------------------------------------------------------------------------------
     @staticmethod

@@ -165,7 +165,8 @@ def weights_checksum(model: nn.Module) -> str:
     KV-replicated weights (``kv_replicated``, whose replicas would count twice) are left out. Under pipeline
     parallelism the stages' sums are added over the PP group and the last stage's copy of a tied embedding
     (``pipeline_tied_copy``) is left out, so the checksum is also the same at every PP size. Collective over
-    the TP and PP groups; reads every weight once (chunked).
+    the TP and PP groups; every rank reads each of its candidate weights once (chunked), replicated ones
+    included, so that the host reads (graph executions on XLA) are the same on every rank of a TP group.
     """
     device = next(model.parameters()).device
     device = HOST if device.type == "xla" else device
@@ -174,11 +175,32 @@ def weights_checksum(model: nn.Module) -> str:
     for name, p in model.named_parameters():
         if "lora_" in name or getattr(p, "kv_replicated", False) or getattr(p, "pipeline_tied_copy", False):
             continue
+        # every TP rank reads every candidate in the same order (on XLA each read is a graph execution, which
+        # must be the same on every rank: DESIGN principle 16); only the counting depends on the rank
+        summand = _param_checksum(p).to(device)
         if getattr(p, "tensor_model_parallel", False) or first_tp_rank:
-            total = (total + _param_checksum(p).to(device)).remainder(_MODULUS)
-    total = collectives.all_reduce(total, ps.get_tensor_model_parallel_group()).remainder(_MODULUS)
-    total = collectives.all_reduce(total, ps.get_pipeline_model_parallel_group()).remainder(_MODULUS)
+            total = (total + summand).remainder(_MODULUS)
+    total = _sum_over_model_parallel(total, next(model.parameters()).device)
     return "".join(f"{int(x):08x}" for x in total.tolist())
+
+
+def _sum_over_model_parallel(total: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The sum modulo :data:`_MODULUS` of every TP x PP rank's ``total`` (int64 ``[2]``, values in
+    ``[0, _MODULUS)``, on the host or ``device``); int64 ``[2]`` on the host or ``device``.
+
+    The groups' backend decides where the sum travels: on torch-xla the process groups take XLA tensors only, so
+    the values go to ``device`` and come back (one graph of their own, :func:`collectives.stage_isolated`, since
+    the PP group's ranks run different stages). They travel as 16-bit limbs in int32 (``[4]``), which sum exactly
+    over up to 2^15 ranks whatever integer width the device keeps (Neuron may narrow int64).
+    """
+    limbs = torch.stack([total & 0xFFFF, total >> 16]).reshape(-1).to(torch.int32)  # [lo_a, lo_b, hi_a, hi_b]
+    if device.type == "xla":
+        limbs = limbs.to(device)
+    with collectives.stage_isolated(device):
+        limbs = collectives.all_reduce(limbs, ps.get_tensor_model_parallel_group())
+        limbs = collectives.all_reduce(limbs, ps.get_pipeline_model_parallel_group())
+    limbs = limbs.cpu().to(torch.int64) if device.type == "xla" else limbs.to(torch.int64)
+    return (limbs[:2] + (limbs[2:] << 16)).remainder(_MODULUS)
 
 
 def _path_identity(path: str) -> list[tuple[str, int, int]]:

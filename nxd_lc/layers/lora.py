@@ -48,6 +48,7 @@ keys, HF loader, activation-checkpoint wrappers) are unchanged; adapters appear 
 from __future__ import annotations
 
 import contextlib
+import zlib
 from collections.abc import Iterator
 
 import torch
@@ -394,7 +395,9 @@ def _find_targets(model: nn.Module, target_modules: list[str]) -> list[tuple[str
 
 
 def apply_lora(model: nn.Module, peft_cfg: PeftConfig) -> list[str]:
-    """Add LoRA adapters to the target projections in place and freeze everything else.
+    """Add LoRA adapters to the target projections in place and freeze everything else. ``A``'s initial values
+    are a function of the CPU RNG's state at the call and the module's qualified name: the same at every TP / PP
+    layout (a pipeline stage holds only its layers).
 
     Call after the model is built, its weights loaded and ``apply_memory_techniques`` ran, and BEFORE the
     optimizer is created (only parameters with ``requires_grad`` are optimised).
@@ -427,8 +430,14 @@ def apply_lora(model: nn.Module, peft_cfg: PeftConfig) -> list[str]:
             setattr(mlp, _TILED_GUARD, mlp.register_forward_pre_hook(_reject_tiled_mlp))
     for p in model.parameters():
         p.requires_grad_(False)
-    for _, module in targets:
-        convert_to_lora(module, peft_cfg)
+    # A's initial values depend on the module's name, not on which modules this rank holds: one draw of the CPU
+    # RNG (in the same state on every rank) seeds each module's own stream, so any PP split (a stage holds only
+    # its layers) and any TP size give the values of one device
+    base_seed = int(torch.randint(0, 2**31 - 1, (1,)).item())
+    for name, module in targets:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(base_seed + zlib.crc32(name.encode()))
+            convert_to_lora(module, peft_cfg)
     return [name for name, _ in targets]
 
 

@@ -87,16 +87,19 @@ class NxDLanguageModel(pl.LightningModule):
         rotary = getattr(model, "rotary_emb", None)
         self._model_rope = rotary.spec if rotary is not None else None
 
-    def _build_pipeline(self) -> Any:
-        """The :class:`~nxd_lc.pipeline.PipelineEngine` of this rank's stages at PP > 1, else None."""
+    def _build_pipeline(self, model: Optional[torch.nn.Module] = None) -> Any:
+        """The :class:`~nxd_lc.pipeline.PipelineEngine` of this rank's stages at PP > 1, else None: over
+        ``model`` (default: the policy, :attr:`model`; another model must have the policy's layers, e.g. a frozen
+        copy of it)."""
         if ps.get_pipeline_model_parallel_world_size() == 1:
             return None
         from nxd_lc.pipeline import PipelineEngine, stage_layer_ranges
 
+        model = self.model if model is None else model
         ds = self.cfg.distributed_strategy
         ranges = stage_layer_ranges(len(self.model.layers), ds.pipeline_model_parallel_size,
                                     ds.virtual_pipeline_model_parallel_size, self.cfg.model.pipeline_cuts)
-        return PipelineEngine(self.model, ranges, virtual_size=ds.virtual_pipeline_model_parallel_size,
+        return PipelineEngine(model, ranges, virtual_size=ds.virtual_pipeline_model_parallel_size,
                               micro_batch_size=self._pipeline_micro_batch_rows(),
                               sequence_parallel=ds.sequence_parallel)
 

@@ -182,8 +182,7 @@ def pipeline_problems(cfg: NxdConfig, hf: dict[str, Any] | None) -> list[str]:
     layers = cfg.model.num_layers if cfg.model.num_layers not in (None, -1) else (hf or {}).get("num_hidden_layers")
     if isinstance(layers, int) and layers > 0:
         p += split_problems(layers, pp, vpp, cfg.model.pipeline_cuts)
-    return p + pipeline_dpo_reference_problems(cfg) \
-        + compile_on_xla_problems(cfg)
+    return p + compile_on_xla_problems(cfg)
 
 
 def compile_on_xla_problems(cfg: NxdConfig) -> list[str]:
@@ -204,19 +203,6 @@ def compile_on_xla_problems(cfg: NxdConfig) -> list[str]:
         return p
     return p + [f"model.compile: not available on trainer.accelerator {acc} (torch-xla compiles its lazy graphs "
             "itself); set model.compile: false, or use the native neuron device (torch-neuronx >= 2.10)"]
-
-
-def pipeline_dpo_reference_problems(cfg: NxdConfig) -> list[str]:
-    """DPO under PP takes its reference log-probs from the table precomputed through the pipeline: the per-step
-    reference forward (frozen copy / LoRA base) does not run through the pipeline stages."""
-    pp = cfg.distributed_strategy.pipeline_model_parallel_size
-    strategy = cfg.model_alignment_strategy
-    dpo = strategy.dpo if strategy is not None else None
-    if pp <= 1 or dpo is None or dpo.precompute_ref_log_probs:
-        return []
-    return [f"model_alignment_strategy.dpo.precompute_ref_log_probs: false (a reference forward every step) is not "
-            f"available with distributed_strategy.pipeline_model_parallel_size {pp}; set it true (the reference "
-            "log-probs are then computed once, through the pipeline, before training)"]
 
 
 def compile_blocker(cfg: NxdConfig, attention_dropout: float, moe: bool = False) -> str | None:
