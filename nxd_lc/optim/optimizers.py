@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from nxd_lc.config.schema import OptimConfig
+from nxd_lc.optim.capturable import CapturableAdam, CapturableAdamW, needs_finite_capturable_adam
 from nxd_lc.optim.novograd import Novograd
 from nxd_lc.precision.policy import PrecisionPolicy
 from nxd_lc.runtime.accel import HOST
@@ -139,10 +140,21 @@ def _pair(key: str, name: str, values: Any) -> tuple[float, float]:
     return float(values[0]), float(values[1])
 
 
+def _adam_variant(groups: list[ParamGroup], cfg: OptimConfig, torch_class: type) -> tuple[type, dict[str, Any]]:
+    """(class, capturable keyword arguments) of an Adam(W): ``torch_class`` (torch.optim.Adam / AdamW), or nxd_lc's
+    :mod:`~nxd_lc.optim.capturable` twin (one tensor at a time) where torch's capturable step would write NaN at
+    lr 0: ``model.optim.capturable`` on an xla device."""
+    if cfg.capturable and needs_finite_capturable_adam([p for g in groups for p in g["params"]]):
+        twin = CapturableAdamW if torch_class is torch.optim.AdamW else CapturableAdam
+        return twin, {"capturable": True, "foreach": False}
+    return torch_class, {"capturable": cfg.capturable}
+
+
 def _adamw(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim.AdamW: decoupled weight decay (Loshchilov & Hutter, arXiv:1711.05101)."""
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=_pair("betas", "adamw", cfg.betas), eps=cfg.eps,
-                             weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, capturable=cfg.capturable)
+    cls, capturable = _adam_variant(groups, cfg, torch.optim.AdamW)
+    return cls(groups, lr=cfg.lr, betas=_pair("betas", "adamw", cfg.betas), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, **capturable)
 
 
 def _adamw_fp32_opt_state(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -161,15 +173,16 @@ def _adamw_fp32_opt_state(groups: list[ParamGroup], cfg: OptimConfig) -> torch.o
                 raise ValueError(f"model.optim.name=adamw_fp32OptState: parameter {name!r} is {p.dtype}; fp32 "
                                  f"optimizer state for non-fp32 parameters is not supported yet (precision "
                                  f"issue); use precision.type: fp32 (fp32 parameters)")
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=_pair("betas", "adamw_fp32OptState", cfg.betas),
-                             eps=cfg.eps, weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad,
-                             capturable=cfg.capturable)
+    cls, capturable = _adam_variant(groups, cfg, torch.optim.AdamW)
+    return cls(groups, lr=cfg.lr, betas=_pair("betas", "adamw_fp32OptState", cfg.betas), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, **capturable)
 
 
 def _adam(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
     """torch.optim.Adam (Kingma & Ba, arXiv:1412.6980); weight_decay is L2 (added to the gradient)."""
-    return torch.optim.Adam(groups, lr=cfg.lr, betas=_pair("betas", "adam", cfg.betas), eps=cfg.eps,
-                            weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, capturable=cfg.capturable)
+    cls, capturable = _adam_variant(groups, cfg, torch.optim.Adam)
+    return cls(groups, lr=cfg.lr, betas=_pair("betas", "adam", cfg.betas), eps=cfg.eps,
+               weight_decay=cfg.weight_decay, amsgrad=cfg.amsgrad, **capturable)
 
 
 def _sgd(groups: list[ParamGroup], cfg: OptimConfig) -> torch.optim.Optimizer:
