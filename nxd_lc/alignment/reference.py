@@ -49,6 +49,7 @@ from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import lora_disabled, lora_modules
 from nxd_lc.layers.param_attrs import move_module, record_parallel_attributes, restore_parallel_attributes
+from nxd_lc.runtime import xla as xla_runtime
 from nxd_lc.runtime.accel import HOST
 from nxd_lc.runtime.xla import is_xla_tensor
 
@@ -144,10 +145,10 @@ class FrozenReference:
 # ---- the cache key ---------------------------------------------------------------------------------------------
 def _param_checksum(p: torch.Tensor) -> torch.Tensor:
     """int64 ``[2]``: sums of ``v`` and ``v^2 + 40503 v`` modulo 2^31-1 over the raw bit patterns ``v``."""
-    flat = p.detach().reshape(-1)
-    if is_xla_tensor(flat):  # on the host: no lazy graph for a checksum
+    flat = p.detach()
+    if is_xla_tensor(flat):  # on the host: no lazy graph for a checksum (a transfer: weights_checksum synced)
         flat = flat.cpu()
-    flat = flat.view(_INT_VIEWS[flat.element_size()])
+    flat = flat.reshape(-1).view(_INT_VIEWS[flat.element_size()])
     total = torch.zeros(2, dtype=torch.int64, device=flat.device)
     for chunk in flat.split(_CHUNK):
         v = chunk.to(torch.int64).remainder(_MODULUS)
@@ -166,10 +167,13 @@ def weights_checksum(model: nn.Module) -> str:
     parallelism the stages' sums are added over the PP group and the last stage's copy of a tied embedding
     (``pipeline_tied_copy``) is left out, so the checksum is also the same at every PP size. Collective over
     the TP and PP groups; every rank reads each of its candidate weights once (chunked), replicated ones
-    included, so that the host reads (graph executions on XLA) are the same on every rank of a TP group.
+    included. On XLA one sync first materialises the weights, so the reads are transfers, not graph executions,
+    and every rank, whichever stage it holds, cuts its lazy graph the same number of times.
     """
     device = next(model.parameters()).device
-    device = HOST if device.type == "xla" else device
+    if device.type == "xla":  # one graph execution materialises every weight; the reads below are transfers
+        xla_runtime.sync()
+        device = HOST
     total = torch.zeros(2, dtype=torch.int64, device=device)
     first_tp_rank = ps.get_tensor_model_parallel_rank() == 0
     for name, p in model.named_parameters():

@@ -112,6 +112,12 @@ def _backend(group: ProcessGroup) -> str:
     return str(dist.get_backend(group)).lower()
 
 
+def is_xla_backend(group: ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (default: the world) runs on torch-xla's process-group backend, whose collectives take
+    XLA tensors only (host objects must travel another way there, e.g. :func:`default_store`)."""
+    return "xla" in _backend(group if group is not None else dist.group.WORLD)
+
+
 def all_reduce(tensor: torch.Tensor, group: ProcessGroup | None, op: str = "sum") -> torch.Tensor:
     """In-place all-reduce of ``tensor`` over ``group``; returns ``tensor``.
 

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.runtime.accel import HOST
 
 __all__ = ["gather_pipeline_stages", "store_gather_bytes"]
 
@@ -81,7 +82,7 @@ def _store_gather(part: dict[str, Any], rank0_only: bool) -> list[Optional[dict[
     torch.save(part, buffer)
     raw = store_gather_bytes(buffer.getvalue(), ranks, collectives.get_global_rank(), "pp_stages", store,
                              dist.group.WORLD, receivers=[ranks[0]] if rank0_only else None)
-    return [None if b is None else torch.load(io.BytesIO(b), map_location="cpu", weights_only=True) for b in raw]
+    return [None if b is None else torch.load(io.BytesIO(b), map_location=HOST, weights_only=True) for b in raw]
 
 
 def gather_pipeline_stages(part: dict[str, Any], rank0_only: bool = False) -> dict[str, Any]:
@@ -101,7 +102,7 @@ def gather_pipeline_stages(part: dict[str, Any], rank0_only: bool = False) -> di
         return part
     first = parallel_state.get_group_ranks("pp")[0]
     me = collectives.get_global_rank()
-    if "xla" in str(dist.get_backend()).lower():
+    if collectives.is_xla_backend(group):
         parts: list[Any] = _store_gather(part, rank0_only)
     else:
         parts = [None] * size
