@@ -22,13 +22,18 @@ The estimate, per rank (the pipeline rank that needs the most), in bytes:
   (``distributed_strategy.zero1``) both are divided over DP x CP (expert parameters over their expert-DP x CP
   group), each tensor rounded up as the wrapper pads it. The wrapper's step also holds fp32 copies of one bucket
   (64 MiB of fp32 elements) at a time.
-* **activations**: :func:`nxd_lc.models.common.memory_plan.estimate_bytes` (the tensors autograd keeps for one
+* **activations**: :func:`nxd_lc.models.common.memory_plan.estimate_split` (the tensors autograd keeps for one
   micro-batch, an upper bound tested against a measured step) for the configured recomputation: ``null`` ->
-  plan ``none``, ``selective`` recomputing the norms and the MLP -> ``selective`` (other module lists: ``none``,
-  an upper bound), ``full`` -> ``full`` (with a tiled MLP ``full_tiled_mlp``, with offload ``full_offload``),
-  ``block`` with N layers -> N layers ``full`` and the rest ``none``; a memory budget (``activations_memory_budget``)
-  -> the plan it chooses. ``T`` = micro batch x sequence / CP tokens (x 2 for DPO / ORPO pairs); the first
-  pipeline rank keeps ``min(micro-batches, PP)`` micro-batches in flight (1F1B).
+  plan ``none``, ``selective`` -> the listed modules' parts recomputed (norms, MLP, the attention kernel, the SwiGLU
+  product: :data:`~nxd_lc.models.common.memory_plan.RECOMPUTE_PARTS`; other names counted as not recomputed, an
+  upper bound, with a note), ``full`` -> ``full`` (with a tiled MLP ``full_tiled_mlp``, with offload
+  ``full_offload``), ``block`` with N layers -> N layers ``full`` and the rest ``none``; a memory budget
+  (``activations_memory_budget``) -> the plan it chooses. ``T`` = micro batch x sequence / CP tokens (x 2 for DPO /
+  ORPO pairs). What a micro-batch keeps from its forward to its backward counts once per micro-batch in flight,
+  what one backward needs (a recomputation's working set, transient gradients, the loss on the last stage) once:
+  the first pipeline rank keeps 1F1B's ``min(micro-batches, PP)`` micro-batches in flight; on torch-xla (the
+  lockstep schedule, :mod:`nxd_lc.pipeline.lockstep`) each stage ``k`` of ``S = PP x V`` keeps ``min(m, S - k)``
+  of its own layers (the same at ``V = 1``).
 * a frozen **reference** copy of the parameters for DPO without precomputed reference log-probabilities.
 
 Not counted: allocator fragmentation, the runtime's own memory (CUDA context, Neuron runtime), communication
@@ -36,9 +41,11 @@ buffers, the data loader; the MoE dispatch buffers are counted as a dense MLP. H
 device's memory the config is refused, above :data:`WARN_FRACTION` of it a warning names the keys to change.
 
 The device memory is known for ``trainer.accelerator: cpu`` (the host's RAM, shared by the node's
-``trainer.devices`` ranks) and for CUDA (``gpu``, or ``auto`` resolving to it on this host: the device's total
-memory). For ``xla`` / ``neuron`` (and ``auto`` resolving to the CPU: a config written for an accelerator, judged
-on another host) it is unknown and the estimate is only reported.
+``trainer.devices`` ranks), for CUDA (``gpu``, or ``auto`` resolving to it on this host: the device's total
+memory) and for ``xla`` / ``neuron`` (and ``auto`` resolving to a Neuron device): the HBM of the NeuronCore a rank
+runs on, 16 GiB on Trn1 and 24 GiB x lnc on Trn2 (:func:`neuron_core_memory`; off Trainium a config for torch-xla
+is judged as on Trn1 unless ``trainer.lnc`` is 2). For ``auto`` resolving to the CPU (a config written for an
+accelerator, judged on another host) it is unknown and the estimate is only reported.
 """
 
 from __future__ import annotations
@@ -51,14 +58,24 @@ from typing import Any
 
 from nxd_lc.config.access import data_parallel_size, num_microbatches, seq_length
 from nxd_lc.config.schema import NxdConfig
-from nxd_lc.models.common.memory_plan import PLAN_MLP_CHUNK, PlanShape, choose_memory_plan, estimate_bytes
+from nxd_lc.models.common.memory_plan import (
+    PLAN_MLP_CHUNK,
+    PlanShape,
+    choose_memory_plan,
+    estimate_split,
+    recompute_parts,
+)
 
-__all__ = ["WARN_FRACTION", "Architecture", "MemoryEstimate", "architecture", "device_memory", "estimate_memory",
-           "memory_estimate_problems", "optimizer_state_bytes", "position_problems", "rank_tensors"]
+__all__ = ["NEURON_HBM_PER_CORE", "WARN_FRACTION", "Architecture", "MemoryEstimate", "architecture", "device_memory",
+           "estimate_memory", "memory_estimate_problems", "neuron_core_memory", "optimizer_state_bytes",
+           "position_problems", "rank_tensors"]
 
 #: above this share of the device's memory the estimate is a warning (above 1: a config error)
 WARN_FRACTION = 0.9
 _GIB = 2**30
+#: HBM per physical NeuronCore (bytes): Trn1 32 GiB per Trainium chip of 2 NeuronCores, Trn2 96 GiB per Trainium2
+#: chip of 8, Trn3 144 GiB per chip of 8 (:func:`neuron_core_memory`)
+NEURON_HBM_PER_CORE = {"trn1": 16 * _GIB, "trn2": 24 * _GIB, "trn3": 18 * _GIB}
 _BUCKET_BYTES = 64 * 2**20  # NxDOptimizer's step bucket of fp32 working data
 #: per optimizer: (state tensors of the parameter's size, scalar state tensors) -- amsgrad / momentum / centered
 #: and Adafactor's factored statistics are added in :func:`optimizer_state_bytes`
@@ -66,8 +83,6 @@ _STATE_TENSORS: dict[str, tuple[int, int]] = {
     "adamw": (2, 1), "adamw_fp32OptState": (2, 1), "adam": (2, 1), "adamax": (2, 1), "adadelta": (2, 1),
     "rprop": (2, 1), "adagrad": (1, 1), "rmsprop": (1, 1), "sgd": (0, 0), "novograd": (1, 0), "adafactor": (0, 1),
 }
-_MLP_NAMES = {"LlamaMLP", "GeluMLP", "MoE"}
-_NORM_NAMES = {"RMSNorm", "LlamaRMSNorm", "LayerNorm"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -379,8 +394,12 @@ def _zero1_shards(cfg: NxdConfig) -> bool:
     return cfg.distributed_strategy.zero1 and _zero1_share(cfg, False) > 1
 
 
-def _activation_bytes(a: Architecture, cfg: NxdConfig, layers: int, in_flight: int) -> tuple[int, str | None]:
-    """Activation bytes of ``in_flight`` micro-batches on a rank holding ``layers`` decoder layers, and a note."""
+def _activation_split(a: Architecture, cfg: NxdConfig, layers: int, head: bool,
+                      full_layers: int | None = None) -> tuple[int, int, str | None]:
+    """``(kept per micro-batch, once, note)`` activation bytes of a rank or stage holding ``layers`` decoder layers
+    (and the final norm, head and loss when ``head``): :func:`~nxd_lc.models.common.memory_plan.estimate_split`
+    for the configured recomputation; ``full_layers``: of them, those recomputed by ``block`` checkpointing (None:
+    ``model.activations_checkpoint_num_layers``)."""
     from nxd_lc.precision.policy import resolve_precision
 
     m, ds = cfg.model, cfg.distributed_strategy
@@ -397,43 +416,85 @@ def _activation_bytes(a: Architecture, cfg: NxdConfig, layers: int, in_flight: i
                       hidden=a.hidden, head_dim=a.head_dim, heads_local=max(1, a.heads // tp),
                       kv_heads_local=max(1, kv_local), intermediate_local=max(1, a.intermediate // tp),
                       vocab_local=vocab, layers=layers, tp=tp, sequence_parallel=ds.sequence_parallel and tp > 1,
-                      element_size=(policy.autocast_dtype or policy.param_dtype).itemsize)
-    plan, loss_chunk, note = _plan_name(cfg)
+                      element_size=(policy.autocast_dtype or policy.param_dtype).itemsize, head=head)
+    plan, loss_chunk, note, parts = _plan_name(cfg)
     if m.activations_memory_budget is not None:
         chosen = choose_memory_plan(shape, m.activations_memory_budget, allow_offload=m.compile is not True)
-        plan, loss_chunk = chosen.name, chosen.tiled_loss_chunk_size
+        plan, loss_chunk, parts = chosen.name, chosen.tiled_loss_chunk_size, None
     if plan == "block":
-        n = min(layers, m.activations_checkpoint_num_layers or 0)
-        full = estimate_bytes(dataclasses.replace(shape, layers=n), "full", loss_chunk)[0]
-        rest = (estimate_bytes(shape, "none", loss_chunk)[0]
-                - estimate_bytes(dataclasses.replace(shape, layers=n), "none", loss_chunk)[0])
-        return in_flight * (full + rest), note
-    return in_flight * estimate_bytes(shape, plan, loss_chunk)[0], note
+        n = min(layers, m.activations_checkpoint_num_layers or 0) if full_layers is None else full_layers
+        full = estimate_split(dataclasses.replace(shape, layers=n), "full", loss_chunk)
+        none_all = estimate_split(shape, "none", loss_chunk)
+        none_n = estimate_split(dataclasses.replace(shape, layers=n), "none", loss_chunk)
+        once = full[1] if n else none_all[1]
+        return full[0] + none_all[0] - none_n[0], once, note
+    kept, once, _ = estimate_split(shape, plan, loss_chunk, parts)
+    return kept, once, note
 
 
-def _plan_name(cfg: NxdConfig) -> tuple[str, int | None, str | None]:
+def _rank_activations(a: Architecture, cfg: NxdConfig, pipeline_rank: int,
+                      num_micro: int) -> tuple[int, str | None]:
+    """Activation bytes of pipeline rank ``pipeline_rank`` at its peak, and a note: the micro-batches in flight
+    times what one keeps, plus what one backward needs once. In flight (``S = PP x V`` stages, ``m`` micro-batches):
+    1F1B's ``min(m, PP - r)`` micro-batches of the rank's layers on eager devices; on torch-xla (the lockstep
+    schedule, :func:`nxd_lc.pipeline.lockstep.lockstep_in_flight`) ``min(m, S - k)`` of stage ``k``'s layers for
+    each stage ``k`` of the rank (the same at ``V = 1``)."""
+    ds = cfg.distributed_strategy
+    pp, virtual = ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size
+    layers, _, head = _rank_part(a, cfg, pipeline_rank)
+    if pp == 1 or virtual == 1 or not _runs_lockstep(cfg):
+        kept, once, note = _activation_split(a, cfg, len(layers), head)
+        return (min(num_micro, pp - pipeline_rank) if pp > 1 else 1) * kept + once, note
+    from nxd_lc.pipeline import stage_layer_ranges, stages_of_rank
+    from nxd_lc.pipeline.lockstep import lockstep_in_flight
+
+    ranges = stage_layer_ranges(a.layers, pp, virtual, cfg.model.pipeline_cuts)
+    stages = stages_of_rank(pipeline_rank, pp, virtual)
+    full_left = cfg.model.activations_checkpoint_num_layers or 0  # block: the rank's first local layers
+    total, once, note = 0, 0, None
+    for k in stages:
+        n = len(ranges[k])
+        kept, stage_once, note = _activation_split(a, cfg, n, k == len(ranges) - 1, full_layers=min(n, full_left))
+        full_left = max(0, full_left - n)
+        total += lockstep_in_flight(len(ranges), k, num_micro) * kept
+        once = max(once, stage_once)
+    return total + once, note
+
+
+def _runs_lockstep(cfg: NxdConfig) -> bool:
+    """Whether the run's pipeline takes the torch-xla lockstep schedule (``trainer.accelerator`` on torch-xla)."""
+    from nxd_lc.runtime.device import is_lazy_config_accelerator
+
+    return is_lazy_config_accelerator(str(cfg.trainer.accelerator))
+
+
+def _plan_name(cfg: NxdConfig) -> tuple[str, int | None, str | None, frozenset[str] | None]:
     """The :mod:`~nxd_lc.models.common.memory_plan` plan that bounds the configured recomputation (module
-    docstring), the tiled loss chunk, and a note where the bound is loose."""
+    docstring), the tiled loss chunk, a note where the bound is loose, and a selective plan's recomputed parts."""
     m = cfg.model
     granularity, chunk = m.activations_checkpoint_granularity, m.tiled_loss_chunk_size
     if granularity == "full":
         if m.activations_checkpoint_method == "block" and m.activations_checkpoint_num_layers:
-            return "block", chunk, None
+            return "block", chunk, None, None
         if m.activations_offload:
-            return "full_offload", chunk, None
+            return "full_offload", chunk, None, None
         tiled = m.tiled_mlp_chunk_size is not None and m.tiled_mlp_chunk_size <= PLAN_MLP_CHUNK
-        return ("full_tiled_mlp" if tiled else "full"), chunk, None
+        return ("full_tiled_mlp" if tiled else "full"), chunk, None, None
     if granularity == "selective":
-        names = set(m.activations_checkpoint_recompute or [])
-        if names & _MLP_NAMES and names & _NORM_NAMES:
-            return "selective", chunk, None
-        return "none", chunk, ("activations: the selective recompute list is counted as no recomputation "
-                               "(an upper bound)")
-    return "none", chunk, None
+        parts, unknown = recompute_parts(m.activations_checkpoint_recompute)
+        note = (f"activations: {', '.join(unknown)} counted as not recomputed (an upper bound)" if unknown else None)
+        return ("selective" if parts else "none"), chunk, note, parts
+    return "none", chunk, None, None
 
 
 def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
-    """``(bytes available to one rank, what it is)``; None where the dry run cannot know (module docstring)."""
+    """``(bytes available to one rank, what it is)``; None where the dry run cannot know (module docstring).
+
+    ``cpu``: this host's RAM over ``trainer.devices``; ``xla`` / ``neuron`` (and ``auto`` resolving to a Neuron
+    device on this host): :func:`neuron_core_memory`; ``gpu`` (and ``auto`` resolving to CUDA): the CUDA device's
+    total memory."""
+    from nxd_lc.runtime.device import is_lazy_config_accelerator, neuron_resolution
+
     name = str(cfg.trainer.accelerator)
     if name == "cpu":
         try:
@@ -442,6 +503,10 @@ def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
             return None, "host memory not readable on this system"
         ranks = max(1, cfg.trainer.devices)
         return ram // ranks, f"this host's memory shared by trainer.devices={ranks} ranks"
+    if is_lazy_config_accelerator(name):
+        return neuron_core_memory(cfg, native=False)
+    if name in ("neuron", "auto") and neuron_resolution() == "neuron_native":
+        return neuron_core_memory(cfg, native=True)
     if name in ("gpu", "auto"):
         import torch
 
@@ -452,6 +517,46 @@ def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
         if name == "auto":
             return None, "trainer.accelerator auto: the run's device is not known on this host"
     return None, f"trainer.accelerator {name}: no device memory size is known before launch"
+
+
+def neuron_core_memory(cfg: NxdConfig, native: bool) -> tuple[int | None, str]:
+    """``(HBM bytes of the NeuronCore one rank runs on, what it is)`` (None for a platform whose HBM is not in
+    :data:`NEURON_HBM_PER_CORE`).
+
+    One rank per logical NeuronCore, of ``lnc`` physical cores (:func:`nxd_lc.context.nki.resolve_lnc`): 16 GiB on
+    Trn1 (32 GiB per chip of 2 NeuronCores), 24 GiB x lnc on Trn2 (96 GiB per chip of 8 physical NeuronCores; lnc 2
+    by default there: 48 GiB), 18 GiB x lnc on Trn3 (144 GiB per chip of 8). Sources: the Neuron documentation's
+    architecture pages (about-neuron/arch/neuron-hardware/trainium, trainium2, trainium3: "32 GiB of device
+    memory", two NeuronCore-v2; 96 GiB, eight NeuronCore-v3; 144 GiB, eight NeuronCore-v4);
+    ../shared/reference/neuron_platform.md.
+
+    The platform, before launch: the one torch-neuronx reports on this host (a Trainium instance,
+    :func:`~nxd_lc.context.nki.neuron_platform`); else Trn2 when the logical NeuronCore size is 2
+    (``trainer.lnc`` / ``NEURON_LOGICAL_NC_CONFIG``: it exists only on Trn2 / Trn3 and Trn1 is the other training
+    platform of torch-xla); else, on TorchNeuron's native device (``native``: Trn2 / Trn3 only), Trn3's 18 GiB x lnc
+    (the smaller); else Trn1, torch-xla's Neuron training platform (a config dry-run off
+    Trainium for torch-xla is judged as on Trn1; ``trainer.lnc: 2`` says Trn2).
+    """
+    from nxd_lc.context.nki import neuron_platform, resolve_lnc
+
+    detected = neuron_platform()
+    try:
+        lnc = resolve_lnc(cfg.trainer.lnc)
+    except ValueError:  # an lnc the NKI rules refuse (reported where the kernel is built): the configured value
+        lnc = cfg.trainer.lnc or 1
+    if detected is not None:
+        platform, how = detected, "the platform torch-neuronx reports"
+    elif lnc == 2:
+        platform, how = "trn2", "Trn2: the logical NeuronCore size (trainer.lnc / NEURON_LOGICAL_NC_CONFIG) is 2"
+    elif native:  # the smaller of the two per logical core
+        platform, how = "trn3", "TorchNeuron's native device runs on Trn2 / Trn3: Trn3's is the smaller"
+    else:
+        platform, how = "trn1", "Trn1 assumed off Trainium; trainer.lnc=2 means Trn2"
+    per_core = NEURON_HBM_PER_CORE.get(platform)
+    if per_core is None:  # a platform torch-neuronx reports that nxd_lc does not know
+        return None, f"{platform}: its HBM per NeuronCore is not known to nxd_lc"
+    cores = f", lnc {lnc}" if platform != "trn1" else ""
+    return per_core * (lnc if platform != "trn1" else 1), f"a {platform.capitalize()} NeuronCore's HBM{cores} ({how})"
 
 
 def _auto_is_gpu() -> bool:
@@ -485,8 +590,7 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
     for rank in range(pp):
         tensors = rank_tensors(a, cfg, rank)
         params, grads, state, master, step = _state_bytes(tensors, cfg)
-        layers = len(_rank_part(a, cfg, rank)[0])
-        acts, note = _activation_bytes(a, cfg, layers, min(mbs, pp - rank) if pp > 1 else 1)
+        acts, note = _rank_activations(a, cfg, rank, mbs)
         dpo = cfg.model_alignment_strategy.dpo if cfg.model_alignment_strategy is not None else None
         reference = params if dpo is not None and not dpo.precompute_ref_log_probs else 0
         est = MemoryEstimate(params, grads, state, master, step, acts, reference, rank, device_bytes, device,
@@ -497,13 +601,13 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
 
 
 def _keys_to_change(cfg: NxdConfig, est: MemoryEstimate) -> list[str]:
-    """The keys that lower the estimate, the largest part's first."""
+    """The keys that lower the estimate, the largest part's first (``data.micro_batch_size`` only above 1)."""
     ds, m = cfg.distributed_strategy, cfg.model
     model_keys = ["distributed_strategy.tensor_model_parallel_size",
                   "distributed_strategy.pipeline_model_parallel_size"]
     if not ds.zero1:
         model_keys.append("distributed_strategy.zero1")
-    act_keys = ["data.micro_batch_size", "data.seq_length"]
+    act_keys = (["data.micro_batch_size"] if cfg.data.micro_batch_size > 1 else []) + ["data.seq_length"]
     if m.activations_memory_budget is None and (m.activations_checkpoint_granularity != "full"
                                                 or m.activations_checkpoint_method == "block"):
         act_keys.append("model.activations_checkpoint_granularity")

@@ -43,6 +43,16 @@ region: ``T / tp`` under sequence parallelism; ``e`` the activation element size
 * the final norm's output and the RoPE tables ``2 x 4 Dh`` per token;
 * backward's transient gradients of one MLP's activations (of its chunk when tiled), alive with what is saved.
 
+:func:`estimate_split` splits them by lifetime: what a micro-batch keeps from its forward to its backward (the
+saved tensors of its layers, the RoPE tables; with the head, the final norm's output) and what one backward needs
+once (the working set of a recomputed layer or module, the transient gradients, the loss), so that a pipeline stage
+holding several micro-batches counts only the first part per micro-batch. Under ``selective`` the listed modules
+(:data:`RECOMPUTE_PARTS`) keep only their inputs: the norms (``Tn e H`` each), the MLP (``Tn e H``: nxd_lc's MLP
+all-gathers inside), the attention kernel (its output and log-sum-exp; q, k, v stay), the SwiGLU product's
+``silu(gate)`` (``ActivationMultiplyMLP``). nxd_lc's column-parallel layers under sequence parallelism keep their
+all-gathered input ``[T, H]`` for the weight gradient (NxD keeps the ``[T / tp, H]`` shard and gathers it again in
+backward), counted as such.
+
 It is an upper-bound model of the tensors autograd saves (tested against a FakeTensor measurement of the real step,
 ``tests/test_memory_plan.py``); it does not count parameters, gradients, optimizer state or allocator
 fragmentation, and the MoE experts' dispatch buffers are counted as a dense MLP of the same intermediate size.
@@ -53,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import re
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from torch import nn
 
@@ -68,7 +78,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 __all__ = ["MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory", "budget_problem",
-           "choose_memory_plan", "estimate_bytes", "model_plan_shape", "parse_budget"]
+           "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes", "estimate_split", "model_plan_shape",
+           "parse_budget", "recompute_parts"]
 
 #: the plans, fastest first (module docstring)
 PLAN_ORDER = ("none", "selective", "full", "full_tiled_mlp", "full_offload")
@@ -76,6 +87,12 @@ PLAN_ORDER = ("none", "selective", "full", "full_tiled_mlp", "full_offload")
 PLAN_MLP_CHUNK = 4096
 PLAN_LOSS_CHUNK = 1024
 _GIB = 2**30
+#: ``model.activations_checkpoint_recompute`` class names -> the decoder-layer part whose saved tensors recomputing
+#: that module removes (:func:`estimate_split`); NxDT's names included (``LlamaRMSNorm``)
+RECOMPUTE_PARTS = {"RMSNorm": "norm", "LlamaRMSNorm": "norm", "LayerNorm": "norm", "LlamaMLP": "mlp",
+                   "GeluMLP": "mlp", "MoE": "mlp", "ActivationMultiplyMLP": "act_mul",
+                   "CoreAttention": "core_attention"}
+_SELECTIVE = frozenset({"norm", "mlp"})  # the planner's selective plan: RMSNorm + LlamaMLP
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
 _UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
 KEY = "model.activations_memory_budget"
@@ -96,6 +113,7 @@ class PlanShape:
         tp: tensor-parallel size; sequence_parallel: norms and residuals hold ``T / tp`` tokens.
         element_size: bytes per activation element (2 for bf16 compute, 4 for fp32).
         fused_loss: Liger's fused linear cross-entropy is the loss (no full logits).
+        head: this rank runs the final norm, lm head and loss (a pipeline stage without them: False).
     """
 
     tokens: int
@@ -110,6 +128,7 @@ class PlanShape:
     sequence_parallel: bool = False
     element_size: int = 2
     fused_loss: bool = False
+    head: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,8 +236,45 @@ def _loss_bytes(s: PlanShape, chunk: int | None) -> int:
     return rows * s.vocab_local * (2 * e + 12) + tiled_extra
 
 
-def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tuple[int, int]:
-    """``(device bytes, host bytes)`` of the activations of one micro-batch under ``plan`` (module docstring).
+def _selective_layer(s: PlanShape, parts: frozenset[str]) -> tuple[int, int]:
+    """``(bytes one layer keeps, working bytes of its recomputation)`` with the decoder-layer ``parts``
+    (:data:`RECOMPUTE_PARTS` values) recomputed: a recomputed module keeps only its input; nxd_lc's norms take and
+    its MLP takes the ``[Tn, H]`` stream (the MLP all-gathers inside under sequence parallelism)."""
+    e, tn, t = s.element_size, _outside_tokens(s), s.tokens
+    kept, working = _attention(s, t), 0
+    if "norm" in parts:  # each norm keeps its input, no reciprocal RMS
+        kept += 2 * tn * e * s.hidden
+        working += 2 * _norm(s, tn)
+    else:
+        kept += 2 * _norm(s, tn)
+    if "core_attention" in parts:  # the kernel's output and log-sum-exp (its q / k / v are kept as inputs)
+        core = t * (e * s.heads_local * s.head_dim + 4 * s.heads_local)
+        kept, working = kept - core, working + core
+    if "mlp" in parts:
+        kept += tn * e * s.hidden
+        working += _mlp(s, t)
+    else:
+        act_mul = t * e * s.intermediate_local if "act_mul" in parts else 0  # silu(gate), recomputed
+        kept, working = kept + _mlp(s, t) - act_mul, working + act_mul
+    return kept, working
+
+
+def recompute_parts(names: Sequence[str] | None) -> tuple[frozenset[str], list[str]]:
+    """The decoder-layer parts (:data:`RECOMPUTE_PARTS`) ``model.activations_checkpoint_recompute`` names, and the
+    names the estimate does not model (counted as not recomputed: an upper bound)."""
+    names = list(names or [])
+    return (frozenset(RECOMPUTE_PARTS[n] for n in names if n in RECOMPUTE_PARTS),
+            [n for n in names if n not in RECOMPUTE_PARTS])
+
+
+def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
+                   recompute: frozenset[str] | None = None) -> tuple[int, int, int]:
+    """The activations of one micro-batch under ``plan`` (module docstring), split by lifetime:
+    ``(kept, once, host)`` bytes. ``kept``: saved from the micro-batch's forward to its backward (a pipeline stage
+    holds it once per micro-batch in flight); ``once``: alive only while one backward runs (a recomputation's
+    working set, backward's transient gradients, the loss over the logits; a rank needs it once whatever the
+    number of micro-batches in flight); ``host``: offloaded bytes per micro-batch. ``recompute``: the recomputed
+    parts of a ``selective`` plan (:func:`recompute_parts`; default norms and MLP, the planner's plan 2).
 
     Raises:
         ValueError: an unknown plan name.
@@ -226,25 +282,37 @@ def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tu
     if plan not in PLAN_ORDER:
         raise ValueError(f"unknown memory plan {plan!r}; one of {PLAN_ORDER}")
     e, tn = s.element_size, _outside_tokens(s)
-    shared = s.tokens * 8 * s.head_dim + 2 * s.tokens * e * s.hidden  # RoPE tables; final norm output + gather
+    # RoPE tables; on the rank with the head: the final norm's output and its all-gather
+    shared = s.tokens * 8 * s.head_dim + (2 * s.tokens * e * s.hidden if s.head else 0)
     layer_input = tn * e * s.hidden
     host = 0
     if plan == "none":
-        layers = s.layers * _layer_bytes(s)
-    elif plan == "selective":  # keeps input, norm outputs, residual and the attention; recomputes norms + MLP
-        kept = 2 * layer_input + s.tokens * e * s.hidden + _attention(s, s.tokens)
-        layers = s.layers * kept + 2 * _norm(s, tn) + _mlp(s, s.tokens)
+        kept, once = s.layers * _layer_bytes(s), 0
+    elif plan == "selective":  # keeps the inputs of the recomputed modules and everything else
+        per_layer, once = _selective_layer(s, _SELECTIVE if recompute is None else recompute)
+        kept = s.layers * per_layer
     else:
         tiled = PLAN_MLP_CHUNK if plan in ("full_tiled_mlp", "full_offload") else None
-        working = _layer_bytes(s, tiled)
+        once = _layer_bytes(s, tiled)  # the working set of the layer being recomputed
         if plan == "full_offload":  # two layer inputs in flight on the device, the rest on the host
-            layers = 2 * layer_input + working
-            host = s.layers * layer_input
+            kept, once, host = 0, once + 2 * layer_input, s.layers * layer_input
         else:
-            layers = s.layers * layer_input + working
+            kept = s.layers * layer_input
     mlp_tokens = s.tokens if plan in ("none", "selective", "full") else min(s.tokens, PLAN_MLP_CHUNK)
     transient = _mlp(s, mlp_tokens)  # backward's gradients of one MLP's activations, alive with its saved ones
-    return layers + shared + transient + _loss_bytes(s, loss_chunk), host
+    loss = _loss_bytes(s, loss_chunk) if s.head else 0
+    return kept + shared, once + transient + loss, host
+
+
+def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tuple[int, int]:
+    """``(device bytes, host bytes)`` of the activations of one micro-batch under ``plan`` (module docstring;
+    :func:`estimate_split`'s kept + once).
+
+    Raises:
+        ValueError: an unknown plan name.
+    """
+    kept, once, host = estimate_split(s, plan, loss_chunk)
+    return kept + once, host
 
 
 def _plan(name: str, loss_chunk: int | None, device: int, host: int, budget: int) -> MemoryPlan:
