@@ -4,14 +4,20 @@ Workflows (NxDT's own example files, shrunk; :mod:`xla_scenarios_alignment`): DP
 log-probs and with the live reference model, ORPO, SFT, and SFT with LoRA merged at the end into an HF export. Each
 runs 3 fp32 steps through ``train.py``'s code path at TP 2 + sequence parallel, DP 2 and PP 2 on 2 XLA devices, and
 must equal the same run on one XLA device: every step's loss, gradient norm and alignment metrics (rewards of the
-chosen and rejected responses, their margin and accuracy; ORPO's log-odds ratio and NLL) within 1e-5 (the
-gradient norm within 1e-5 relative: a 2-norm over 3.3M fp32 gradient elements summed in another order; measured
-at DP 2: 3.5e-6 relative, 4.6e-5 absolute at a norm of 12.9, with the losses within 1e-6), and for
+chosen and rejected responses, their margin and accuracy; ORPO's log-odds ratio and NLL) within 1e-5, except
+the gradient norm: within 1e-5 relative at step 1 (a 2-norm over 3.3M fp32 gradient elements summed in another
+order) and 1e-4 relative after an AdamW step, whose first update moves every element with a nonzero gradient by
+about the learning rate whatever the gradient's size, so elements whose tiny gradients round differently per
+layout move differently (measured on ORPO at step 2: 3.5e-6 relative at DP 2, 3.8e-5 at TP 2 + SP, with every
+loss within 1e-6), and for
 LoRA the merged HF export and the adapters file (sum of squares per tensor) within 1e-5 relative. No rank may
 trace a graph another rank does not (the test bed stops the run with a named divergence).
 
-Lane 2 runs the cases of :data:`CI_CASES` (DPO at TP 2 + SP, the issue's failing case; DPO live at PP 2; ORPO at
-DP 2; LoRA at PP 2 with its merged export); ``make test-xla-acceptance`` runs all 15 (marker ``xla_acceptance``).
+Lane 2 runs the cases of :data:`CI_CASES`, one per defect found here: DPO at TP 2 + SP (the weights checksum's
+rank-divergent reads), DPO with the live reference at PP 2 (was refused), LoRA at TP 2 + SP (the merged export's
+TP gathers after Lightning moved the model to the CPU, and its reads on one rank only) and LoRA at PP 2 (the
+stages' export gather through the key-value store, and A's initial values per split); ``make test-xla-acceptance``
+runs all 15 (marker ``xla_acceptance``).
 """
 
 from __future__ import annotations
@@ -24,7 +30,8 @@ from xla_scenarios_alignment import LAYOUTS, WORKFLOWS, alignment_files, workflo
 from xla_testbed import run_on_xla_devices  # noqa: E402
 
 TOL = 1e-5
-CI_CASES = {("dpo_precomputed", "tp2_sp"), ("dpo_live", "pp2"), ("orpo", "dp2"), ("lora", "pp2")}
+NORM_AFTER_ADAMW = 1e-4  # relative, gradient norms after an AdamW step (module docstring)
+CI_CASES = {("dpo_precomputed", "tp2_sp"), ("dpo_live", "pp2"), ("lora", "tp2_sp"), ("lora", "pp2")}
 _CASES = [pytest.param(w, lay, marks=[pytest.mark.xla] if (w, lay) in CI_CASES else [pytest.mark.xla_acceptance],
                        id=f"{w}-{lay}")
           for w in WORKFLOWS for lay in LAYOUTS if lay != "one"]
@@ -77,7 +84,7 @@ def test_alignment_workflow_on_two_xla_devices_equals_one_device(workflow: str, 
                 if name == "rewards/accuracies" and _tie(values):
                     assert step == "1", "the policy still equals the reference after an optimizer step"
                     continue
-                rel = TOL if name == "gradient_norm" else 0  # module docstring
+                rel = (TOL if step == "1" else NORM_AFTER_ADAMW) if name == "gradient_norm" else 0  # docstring
                 assert r["steps"][step][name] == pytest.approx(value, abs=TOL, rel=rel), (step, name)
     if workflow == "lora":  # the merged HF export and the adapters file, written by rank 0
         written = ranks[0]["written"]

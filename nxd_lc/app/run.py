@@ -183,7 +183,11 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
     end_graph_recording(cfg, graph_record, trainer.global_step)  # writes the manifest (prewarm) or checks it
     if peft_config(cfg) is not None and not cfg.prewarm:
-        save_lora_outputs(cfg, model, paths.log_dir, runtime.rank == 0)
+        from nxd_lc.layers.param_attrs import move_module
+
+        # Lightning's teardown moved the module to the CPU; the exports' TP gathers run on the process group's
+        # device (XLA's and nccl's groups take no host tensors)
+        save_lora_outputs(cfg, move_module(model, runtime.device), paths.log_dir, runtime.rank == 0)
     return trainer
 
 

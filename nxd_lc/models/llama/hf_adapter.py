@@ -576,9 +576,10 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
         if model.config.tie_word_embeddings and "lm_head.weight" in e.params and model.embed_tokens is None:
             continue  # the last stage's copy of a tied embedding: the first stage exports it
         named = _export_experts(e) if e.kind.startswith("experts") else dict(zip(e.hf_names, _export_entry(e, model)))
-        if keep:
-            for name, t in named.items():
-                out[name] = t.to(device=HOST, dtype=dtype or t.dtype, copy=True).contiguous()
+        for name, t in named.items():  # every rank reads: on XLA a read is a graph execution, the same on all
+            host = t.to(device=HOST, dtype=dtype or t.dtype, copy=True).contiguous()
+            if keep:
+                out[name] = host
     return gather_pipeline_stages(out, rank0_only)
 
 
