@@ -18,7 +18,7 @@ XLA_DEPS := pyproject.toml constraints-xla.txt
 # The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
 TEST_LANES ?= test-fast test-xla
 
-.PHONY: demo test test-fast test-xla test-slurm install install-dev install-xla lint clean-runs
+.PHONY: demo test test-fast test-xla test-xla-acceptance test-slurm install install-dev install-xla lint clean-runs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -66,6 +66,11 @@ test-slurm: install-dev
 
 test-xla: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) -m "(xla or compat) and not lane1_only" tests
+
+# not part of `make test`: every alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and
+# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 4 of them)
+test-xla-acceptance: install-xla
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py
