@@ -15,9 +15,15 @@ last dim (features) and the sequence-parallel split is on dim 1 (sequence), givi
 | scatter_to_sequence_parallel_region        | keep own dim-1 chunk     | all-gather dim 1       |
 | gather_from_sequence_parallel_region       | all-gather dim 1         | reduce-scatter dim 1 * |
 | reduce_scatter_to_sequence_parallel_region | reduce-scatter dim 1     | all-gather dim 1       |
+| sequence_parallel_linears                  | all-gather dim 1, linears| all-gather dim 1 again,|
+|                                            | (keeps only the shard)   | reduce-scatter dim 1   |
 
 (*) when ``to_model_parallel=True`` (the consumer is a TP column layer, so every rank's gradient
 is a partial sum); with ``False`` the backward just keeps the own chunk.
+
+:func:`sequence_parallel_linears` is the input of every column-parallel linear under sequence parallelism: it
+keeps the ``[B, S/tp, H]`` shard for the weight gradients instead of the gathered ``[B, S, H]`` (NxD
+``LinearWithAsyncCommunication``, Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication``).
 
 Reductions (all-reduce, reduce-scatter) run in the *reduce dtype* (:func:`set_reduce_dtype`, from
 ``precision.parallel_layers_reduce_dtype``; NxD's ``reduce_dtype``, default fp32): a bf16 activation or gradient
@@ -30,9 +36,11 @@ Context parallelism adds one pair over the CP group: :func:`all_to_all_context_p
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from nxd_lc.distributed import collectives, parallel_state
 
@@ -218,6 +226,87 @@ def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor) -> torch.Tensor:
         ValueError: if ``S`` is not divisible by the TP size.
     """
     return _ReduceScatterToSP.apply(x)
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a linear on ``x`` computes in: the autocast dtype where autocast is on for x's device, else x's."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _cast(t: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return t if t is None or t.dtype == dtype or not t.is_floating_point() else t.to(dtype)
+
+
+class _SequenceParallelLinears(torch.autograd.Function):
+    """``[B, S/tp, in]`` -> all-gather on S -> one ``F.linear`` per weight; saves the shard, not ``[B, S, in]``.
+
+    Inputs: ``x``, ``n`` (number of weights), then ``n`` weights ``[out_i, in]`` and ``n`` biases ``[out_i]`` or
+    None. Backward: the input gradient ``sum_i dy_i W_i`` ``[B, S, in]`` is reduce-scattered on S (in the reduce
+    dtype); the shard is all-gathered again for ``dW_i = dy_i^T x`` and only when a weight needs a gradient.
+    Under autocast the operands are cast to the autocast dtype as ``F.linear`` would (the shard before the
+    gather) and each gradient returned in its input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, num_weights: int, *params: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        weights, biases = params[:num_weights], params[num_weights:]
+        dtype = _compute_dtype(x)
+        ctx.num_weights, ctx.dtype, ctx.x_dtype = num_weights, dtype, x.dtype
+        ctx.bias_dtypes = tuple(None if b is None else b.dtype for b in biases)
+        x = _cast(x, dtype)
+        x_full = _gather(x, _SEQ_DIM)  # [B, S, in]: used here, not kept
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x_full, _cast(w, dtype), _cast(b, dtype)) for w, b in zip(weights, biases))
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, *weights = ctx.saved_tensors
+        n = ctx.num_weights
+        need_x, need_w, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[2:2 + n], ctx.needs_input_grad[2 + n:]
+        x_full = _gather(x, _SEQ_DIM).reshape(-1, x.shape[-1]) if any(need_w) else None  # [B*S, in]
+        grad_x = None
+        grad_w: list[torch.Tensor | None] = []
+        grad_b: list[torch.Tensor | None] = []
+        for g, w, nw, nb, b_dtype in zip(grads, weights, need_w, need_b, ctx.bias_dtypes):
+            g = g.to(ctx.dtype)
+            if need_x:
+                part = g.matmul(_cast(w, ctx.dtype))  # [B, S, in]
+                grad_x = part if grad_x is None else grad_x + part
+            g2 = g.reshape(-1, g.shape[-1])  # [B*S, out_i]
+            grad_w.append(g2.t().matmul(x_full).to(w.dtype) if nw else None)
+            grad_b.append(g2.sum(0).to(b_dtype) if nb else None)
+        if grad_x is not None:
+            grad_x = _reduce_scatter(grad_x, _SEQ_DIM).to(ctx.x_dtype)  # [B, S/tp, in]
+        return (grad_x, None, *grad_w, *grad_b)
+
+
+def sequence_parallel_linears(
+    x: torch.Tensor, weights: Sequence[torch.Tensor], biases: Sequence[torch.Tensor | None] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Column-parallel linears on a sequence-parallel input that keep only its shard for the backward.
+
+    ``x [B, S/tp, in]`` is all-gathered over TP on dim 1 to ``[B, S, in]`` and ``y_i = x W_i^T + b_i`` returned
+    for each weight ``W_i [out_i/tp, in]`` -> ``y_i [B, S, out_i/tp]``. The same as
+    ``gather_from_sequence_parallel_region(x, to_model_parallel=True)`` followed by ``F.linear`` per weight (same
+    outputs and gradients within rounding), except that autograd keeps ``x [B, S/tp, in]`` instead of the
+    gathered ``[B, S, in]``: backward all-gathers it again for the weight gradients and reduce-scatters the input
+    gradient on dim 1 (one collective more per backward, ``tp`` times less activation memory; NxD
+    ``layers_utils.LinearWithAsyncCommunication``, Megatron-LM ``LinearWithGradAccumulationAndAsyncCommunication``
+    with ``sequence_parallel``; Korthikanti et al. 2022, arXiv:2205.05198, section 4.2.2).
+
+    Args:
+        biases: one per weight (None entries for none); None for no biases at all.
+
+    Raises:
+        ValueError: if ``S`` is not divisible by the TP size (from the backward's reduce-scatter).
+    """
+    biases = [None] * len(weights) if biases is None else list(biases)
+    if len(biases) != len(weights):
+        raise ValueError(f"sequence_parallel_linears: {len(weights)} weights but {len(biases)} biases")
+    return _SequenceParallelLinears.apply(x, len(weights), *weights, *biases)
 
 
 class _AllToAll(torch.autograd.Function):

@@ -32,11 +32,11 @@ from torch import nn
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
     gather_from_tensor_model_parallel_region,
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    sequence_parallel_linears,
 )
 from nxd_lc.runtime.accel import HOST, fork_accelerator_rng
 
@@ -161,7 +161,9 @@ class ColumnParallelLinear(nn.Module):
 
     Forward: ``x [B, S, in]`` (or ``[B, S/tp, in]`` with ``sequence_parallel_enabled``, all-gathered
     on dim 1 here) -> ``[B, S, out/tp]``, or ``[B, S, out]`` with ``gather_output=True``.
-    Backward of the input: all-reduce over TP, or reduce-scatter on dim 1 under SP.
+    Backward of the input: all-reduce over TP, or reduce-scatter on dim 1 under SP. Under SP only the
+    ``[B, S/tp, in]`` shard is kept for the weight gradient and gathered again in backward
+    (:func:`~nxd_lc.distributed.mappings.sequence_parallel_linears`, as NxD and Megatron-LM).
 
     Args:
         stride: ``partition_stride``: the output dim holds ``stride`` equal blocks each split over TP
@@ -201,11 +203,10 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, S, in]`` (``[B, S/tp, in]`` under SP) -> ``[B, S, out/tp]`` (``[B, S, out]`` gathered)."""
-        if self.sequence_parallel_enabled:
-            x = gather_from_sequence_parallel_region(x, to_model_parallel=True)
+        if self.sequence_parallel_enabled:  # keeps x [B, S/tp, in] for the backward, not the gathered input
+            (y,) = sequence_parallel_linears(x, [self.weight], [self.bias])
         else:
-            x = copy_to_tensor_model_parallel_region(x)
-        y = F.linear(x, self.weight, self.bias)
+            y = F.linear(copy_to_tensor_model_parallel_region(x), self.weight, self.bias)
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
     def extra_repr(self) -> str:

@@ -20,7 +20,9 @@ The qkv adapter has one ``A`` and one ``B`` over the fused ``[q; k; v]`` output 
 the fused base weight, so their gradients are summed over the KV-shared group and stay identical.
 
 Forward, no extra collectives: a column layer enters the TP region once (all-gather on S under sequence
-parallelism, identity otherwise) and both paths read that input; a row layer adds the low-rank partial product
+parallelism, identity otherwise) and both paths read that input (under SP ``A`` is one of the weights of
+:func:`~nxd_lc.distributed.mappings.sequence_parallel_linears`, which keeps only the ``[B, S/tp, in]`` shard for the
+backward, unless LoRA dropout is active); a row layer adds the low-rank partial product
 ``s * B (A_local x_local)`` to its own partial product BEFORE the all-reduce (or reduce-scatter on S under SP), so
 the base's reduction sums it over TP; the bias is added after, as in the base.
 
@@ -64,6 +66,7 @@ from nxd_lc.distributed.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tensor_model_parallel_region,
+    sequence_parallel_linears,
 )
 from nxd_lc.layers.linear import (
     ColumnParallelLinear,
@@ -172,6 +175,19 @@ class _LoraLayer:
         self.lora_scale = lora_scale(cfg.lora_alpha, cfg.lora_rank)
         self.lora_dropout_p = float(cfg.lora_dropout)
 
+    def _column_forward(self, x: torch.Tensor, weights: list[torch.Tensor], biases: list[torch.Tensor | None],
+                        ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """A column layer's base outputs ``x W_i^T + b_i`` ``[B, S, out_i/tp]`` and its low-rank delta ``[B, S,
+        sum_i out_i/tp]`` from one entry into the TP region. Under SP without active dropout ``A`` joins the base
+        weights in :func:`~nxd_lc.distributed.mappings.sequence_parallel_linears`, so only the ``[B, S/tp, in]``
+        shard is kept for every weight gradient; with dropout the gathered input is kept as before (``A``'s
+        input is the dropped copy of the gathered tensor)."""
+        if self.sequence_parallel_enabled and not (self.lora_dropout_p and self.training):  # type: ignore[attr-defined]
+            *ys, u = sequence_parallel_linears(x, [*weights, self.lora_A], [*biases, None])  # u [B, S, r]
+            return ys, F.linear(u * self.lora_scale, self.lora_B)
+        x = _enter_tp_region(x, self.sequence_parallel_enabled)  # type: ignore[attr-defined]
+        return [F.linear(x, w, b) for w, b in zip(weights, biases)], self._low_rank(x, sharded_input=False)
+
     def _low_rank(self, x: torch.Tensor, sharded_input: bool) -> torch.Tensor:
         """``s * B A dropout(x)``: ``x [..., in(_local)]`` -> ``[..., out(_local)]`` (scale applied at rank r)."""
         x = lora_dropout(x, self.lora_dropout_p, self.training, sharded_input)
@@ -227,8 +243,8 @@ class LoraColumnParallelLinear(_LoraLayer, ColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[B, S, in]`` (``[B, S/tp, in]`` under SP) -> ``[B, S, out/tp]`` (``[B, S, out]`` gathered)."""
-        x = _enter_tp_region(x, self.sequence_parallel_enabled)
-        y = F.linear(x, self.weight, self.bias) + self._low_rank(x, sharded_input=False)
+        (y,), delta = self._column_forward(x, [self.weight], [self.bias])
+        y = y + delta
         return gather_from_tensor_model_parallel_region(y) if self.gather_output else y
 
 
@@ -289,14 +305,12 @@ class LoraGQAQKVColumnParallelLinear(_LoraLayer, GQAQKVColumnParallelLinear):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B, S, H]`` (``[B, S/tp, H]`` under SP) -> ``(q, k, v)`` of ``[B, S, n_local*hd]``."""
-        x = _enter_tp_region(x, self.sequence_parallel_enabled)
-        delta = self._low_rank(x, sharded_input=False)  # [B, S, (nq_l + 2*nkv_l)*hd]
+        ys, delta = self._column_forward(x, *self.base_weights_and_biases())  # delta [B, S, (nq_l + 2*nkv_l)*hd]
         if self.fuse_qkv:
-            q, k, v = (F.linear(x, self.weight_qkv, self.bias_qkv) + delta).split(self._split_sizes(), dim=-1)
+            q, k, v = (ys[0] + delta).split(self._split_sizes(), dim=-1)
             return q, k, v
         dq, dk, dv = delta.split(self._split_sizes(), dim=-1)
-        return (F.linear(x, self.weight_q, self.bias_q) + dq, F.linear(x, self.weight_k, self.bias_k) + dk,
-                F.linear(x, self.weight_v, self.bias_v) + dv)
+        return ys[0] + dq, ys[1] + dk, ys[2] + dv
 
     def gather_full_lora(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Full ``(A [r, H], B [(nq + 2*nkv)*hd, r])`` (HF q, k, v row order, KV replicas dropped) from local

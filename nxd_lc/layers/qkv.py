@@ -28,7 +28,7 @@ from torch import nn
 from nxd_lc.distributed import collectives, parallel_state
 from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
+    sequence_parallel_linears,
 )
 from nxd_lc.layers.linear import InitMethod, default_init_method, mark_parameter
 from nxd_lc.runtime.accel import fork_accelerator_rng
@@ -65,7 +65,9 @@ class GQAQKVColumnParallelLinear(nn.Module):
     """Q/K/V projection for grouped-query attention, column-parallel over heads.
 
     Forward: ``x [B, S, H]`` (``[B, S/tp, H]`` with ``sequence_parallel_enabled``) ->
-    ``(q [B, S, nq_local*hd], k [B, S, nkv_local*hd], v [B, S, nkv_local*hd])``.
+    ``(q [B, S, nq_local*hd], k [B, S, nkv_local*hd], v [B, S, nkv_local*hd])``. Under SP the input is
+    all-gathered here and only its ``[B, S/tp, H]`` shard is kept for the weight gradients
+    (:func:`~nxd_lc.distributed.mappings.sequence_parallel_linears`).
 
     Initialisation follows :mod:`nxd_lc.layers.linear`: with ``use_cpu_initialization`` the full
     HF-layout q/k/v weights are initialised on CPU (q, then k, then v, from the current RNG) and
@@ -249,16 +251,22 @@ class GQAQKVColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``[B, S, H]`` (``[B, S/tp, H]`` under SP) -> ``(q, k, v)`` of ``[B, S, n_local*hd]``."""
-        if self.sequence_parallel_enabled:
-            x = gather_from_sequence_parallel_region(x, to_model_parallel=True)
+        ws, bs = self.base_weights_and_biases()
+        if self.sequence_parallel_enabled:  # keeps x [B, S/tp, H] for the backward, not the gathered input
+            ys = sequence_parallel_linears(x, ws, bs)
         else:
             x = copy_to_tensor_model_parallel_region(x)
+            ys = tuple(F.linear(x, w, b) for w, b in zip(ws, bs))
         if self.fuse_qkv:
-            y = F.linear(x, self.weight_qkv, self.bias_qkv)
-            q, k, v = y.split([self.q_size_local, self.kv_size_local, self.kv_size_local], dim=-1)
+            q, k, v = ys[0].split([self.q_size_local, self.kv_size_local, self.kv_size_local], dim=-1)
             return q, k, v
-        return (F.linear(x, self.weight_q, self.bias_q), F.linear(x, self.weight_k, self.bias_k),
-                F.linear(x, self.weight_v, self.bias_v))
+        return ys[0], ys[1], ys[2]
+
+    def base_weights_and_biases(self) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """The projection's weights and biases in output order: ``[weight_qkv]`` fused, else q, k, v."""
+        if self.fuse_qkv:
+            return [self.weight_qkv], [self.bias_qkv]
+        return [self.weight_q, self.weight_k, self.weight_v], [self.bias_q, self.bias_k, self.bias_v]
 
     def extra_repr(self) -> str:
         return (f"hidden={self.hidden_size}, heads={self.num_attention_heads}, kv_heads={self.num_key_value_heads}, "
