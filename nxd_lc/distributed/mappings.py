@@ -73,7 +73,9 @@ def _in_reduce_dtype(x: torch.Tensor, reduce: Any) -> torch.Tensor:
 
 
 def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """This TP rank's chunk of ``x`` along ``dim`` (requires divisibility)."""
+    """This TP rank's chunk of ``x`` along ``dim`` (requires divisibility), gathered by an index computed from the
+    rank as device data (:func:`~nxd_lc.distributed.parallel_state.rank_tensor`): every TP rank traces the same graph
+    (DESIGN.md 16; a Python ``chunk(...)[rank]`` bakes each rank's offset into its graph)."""
     world = parallel_state.get_tensor_model_parallel_world_size()
     if world == 1:
         return x
@@ -82,8 +84,9 @@ def _split(x: torch.Tensor, dim: int) -> torch.Tensor:
             f"cannot split dim {dim} of size {x.shape[dim]} over tensor_model_parallel_size {world}; "
             f"the sequence length / feature size must be a multiple of {world}"
         )
-    rank = parallel_state.get_tensor_model_parallel_rank()
-    return x.chunk(world, dim=dim)[rank].contiguous()
+    n = x.shape[dim] // world
+    index = parallel_state.rank_tensor("tp", x.device) * n + torch.arange(n, device=x.device)
+    return x.index_select(dim, index)
 
 
 def _all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -194,6 +194,17 @@ class NxDLanguageModel(pl.LightningModule):
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         self._enter_stage()
+        self._seed_device_stream()
+
+    def _seed_device_stream(self) -> None:
+        """On XLA, every micro-batch draws its random numbers (dropout masks) from a stream seeded by ``seed``, the
+        optimizer step and the micro-batch's index in it (:func:`nxd_lc.runtime.xla.seed_device_stream`): the masks
+        then follow the run's seed, repeat after a resume, and do not depend on how many graph cuts the layout took
+        before (so a TP layout draws the masks of one device: :mod:`nxd_lc.layers.dropout`)."""
+        if self.device.type != "xla":
+            return
+        step = int(self._trainer.global_step) if self._trainer is not None else 0
+        xla_runtime.seed_device_stream(xla_runtime.stream_seed(self.cfg.seed, step, self._loss_count))
 
     def on_validation_start(self) -> None:
         self._enter_stage()

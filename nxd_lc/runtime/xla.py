@@ -118,6 +118,37 @@ def device_type_name(t: torch.Tensor) -> str:
     return root.split("=", 1)[1].strip().split("[", 1)[0]
 
 
+def stream_seed(seed: int, *indices: int) -> int:
+    """A seed for the device's random stream mixed from the run's ``seed`` and ``indices`` (SplitMix64 rounds): a
+    different stream per index tuple, in ``[2, 2**63)`` (torch-xla turns the scalars 0 and 1 into graph constants, so
+    a seed of 0 / 1 would trace a graph of its own)."""
+    x = seed & 0xFFFFFFFFFFFFFFFF
+    for i in indices:
+        x = (x ^ (i & 0xFFFFFFFFFFFFFFFF)) + 0x9E3779B97F4A7C15 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9 & 0xFFFFFFFFFFFFFFFF
+        x = (x ^ (x >> 27)) * 0x94D049BB133111EB & 0xFFFFFFFFFFFFFFFF
+        x ^= x >> 31
+    return 2 + x % (2**63 - 2)
+
+
+def seed_device_stream(seed: int) -> None:
+    """Restart this thread's XLA device random stream (``torch.rand`` & co. on the device: dropout masks, stochastic
+    rounding) at ``seed``.
+
+    torch-xla's stream is not seeded by ``torch.manual_seed`` (every process starts at the same default state), and
+    it advances at every graph cut (``torch_xla.sync`` / ``mark_step``) as well as at every random op; a run whose
+    layout takes more cuts (a barrier at TP > 1, a host read) would otherwise draw other masks than one device. The
+    seed becomes device data when a random op next needs it (no new graph, no transfer otherwise).
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("seeding the XLA device's random stream")
+    import torch_xla.core.xla_model as xm
+
+    xm.set_rng_state(seed)
+
+
 def is_xla_tensor(t: torch.Tensor) -> bool:
     """True when ``t`` lives on an XLA device (lazy tensor)."""
     return t.device.type == "xla"

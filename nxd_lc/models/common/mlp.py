@@ -157,7 +157,7 @@ def _ffn_dropout(a: torch.Tensor, p: float, training: bool) -> torch.Tensor:
         return a
     return sharded_dropout(a, p, training, shard_dim=a.dim() - 1,
                            num_shards=parallel_state.get_tensor_model_parallel_world_size(),
-                           shard_index=parallel_state.get_tensor_model_parallel_rank())
+                           shard_index=parallel_state.rank_tensor("tp", a.device))
 
 
 class GeluMLP(nn.Module):

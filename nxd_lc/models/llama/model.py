@@ -35,7 +35,11 @@ from transformers import LlamaConfig
 
 from nxd_lc.context.local import cached_attention
 from nxd_lc.distributed import parallel_state
-from nxd_lc.distributed.mappings import copy_to_tensor_model_parallel_region, gather_from_sequence_parallel_region
+from nxd_lc.distributed.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from nxd_lc.layers import (
     ColumnParallelLinear,
     GQAQKVColumnParallelLinear,
@@ -225,9 +229,10 @@ def hidden_dropout(y: torch.Tensor, p: float, sequence_parallel: bool) -> torch.
     """Training-mode dropout of activations y [B, S(/tp), H] outside the TP region, the mask independent of the
     TP layout (sliced along S under sequence parallelism; see :mod:`nxd_lc.layers.dropout`)."""
     sp = sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1
-    return sharded_dropout(y, p, True, shard_dim=1 if sp else None,
-                           num_shards=parallel_state.get_tensor_model_parallel_world_size() if sp else 1,
-                           shard_index=parallel_state.get_tensor_model_parallel_rank() if sp else 0)
+    if not sp:
+        return sharded_dropout(y, p, True)
+    return sharded_dropout(y, p, True, shard_dim=1, num_shards=parallel_state.get_tensor_model_parallel_world_size(),
+                           shard_index=parallel_state.rank_tensor("tp", y.device))
 
 
 class RemoteLayer(nn.Module):
@@ -349,8 +354,8 @@ class LlamaForCausalLM(nn.Module):
         if self.embed_positions is not None:
             pos = position_ids
             tp = parallel_state.get_tensor_model_parallel_world_size()
-            if self.sequence_parallel and tp > 1:  # this rank's S/tp positions
-                pos = pos.chunk(tp, dim=1)[parallel_state.get_tensor_model_parallel_rank()]
+            if self.sequence_parallel and tp > 1:  # this rank's S/tp positions (the same graph on every rank)
+                pos = scatter_to_sequence_parallel_region(pos)
             h = h + self.embed_positions(pos).to(h.dtype)
         if self.options.hidden_dropout and self.training:
             h = hidden_dropout(h, self.options.hidden_dropout, self.sequence_parallel)
