@@ -27,6 +27,8 @@ multi-device path can go wrong into a test failure that names the place, never a
 * Per-thread ranks where libraries keep them process-wide: torchrun's ``RANK`` / ``WORLD_SIZE`` / ... in
   ``os.environ`` and Lightning's ``rank_zero_only.rank``, so that ``train.py``'s code path (``nxd_lc.app.run``,
   the Lightning Trainer) runs in each device thread as in one process per device.
+* Lightning's process-wide patch of the ``DataLoader`` classes during a dataloader hook is shared between the device
+  threads (applied by the first one in, restored by the last one out), not undone by one thread under another.
 * ``xm.rendezvous`` (and through it ``xm.mesh_reduce``: a rank-dependent device graph by design) is replaced by a
   host-side exchange between the threads, counted per rank (``rendezvous_calls``: in production each call is
   device work and host reads that torch-xla's metrics here do not show); ``XLA_ENABLE_PARAM_ALIASING=0`` (an
@@ -402,6 +404,39 @@ def _install_rank_views(bed: _Bed) -> None:
     rank_zero.rank_zero_only = _RankZeroOnly()  # type: ignore[assignment]
 
 
+def _install_lightning_patch_guard() -> None:
+    """Lightning patches the ``DataLoader`` / ``BatchSampler`` classes (process-wide) while a dataloader hook runs
+    (``_replace_dunder_methods``) and restores them after; two device threads inside at once undo each other's patch
+    (seen: ``AttributeError: type object 'DataLoader' has no attribute '__old__setattr__'``). Here the first thread in
+    applies the patch and the last one out restores it."""
+    import contextlib
+
+    import pytorch_lightning.trainer.connectors.data_connector as data_connector
+
+    original = data_connector._replace_dunder_methods
+    lock = threading.Lock()
+    active: dict[tuple[Any, Any], list[Any]] = {}  # (class, argument) -> [threads inside, the entered patch]
+
+    @contextlib.contextmanager
+    def shared(base_cls: type, store_explicit_arg: str | None = None) -> Iterator[None]:
+        key = (base_cls, store_explicit_arg)
+        with lock:
+            entry = active.setdefault(key, [0, None])
+            if entry[0] == 0:
+                entry[1] = original(base_cls, store_explicit_arg)
+                entry[1].__enter__()
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with lock:
+                entry[0] -= 1
+                if entry[0] == 0:
+                    entry[1].__exit__(None, None, None)
+
+    data_connector._replace_dunder_methods = shared
+
+
 def _device_thread(bed: _Bed, rank: int, fn: Callable[..., Any], kwargs: dict[str, Any], results: list[Any],
                    store: Any) -> None:
     import torch
@@ -438,6 +473,7 @@ def _child(target: str, n: int, out: str, wait_timeout_s: float, kwargs: dict[st
     bed = _BED = _Bed(n, out, wait_timeout_s)
     _install(bed)
     _install_rank_views(bed)
+    _install_lightning_patch_guard()
     store = dist.HashStore()
     results: list[Any] = [None] * n
     threads = [threading.Thread(target=_device_thread, args=(bed, r, fn, kwargs, results, store), daemon=True,
