@@ -417,3 +417,25 @@ def test_dry_run_prints_the_estimate_and_its_share(tmp_path: Path) -> None:
 def test_a_budget_below_every_plan_is_refused_at_validation(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"model.activations_memory_budget: '0.001MiB' .* is below the smallest plan"):
         load_config(_raw(_json(tmp_path), seq=S, model={"activations_memory_budget": "0.001MiB"}))
+
+
+@pytest.mark.parametrize("recompute", [None, frozenset({"core_attention", "mlp"})], ids=["none", "selective_70B"])
+def test_sequence_parallel_counts_the_column_layers_input_shard(recompute: frozenset[str] | None) -> None:
+    """Under sequence parallelism a layer keeps ``[T / tp, H]`` (not ``[T, H]``) for: its two norms (input ``e H``
+    and reciprocal RMS ``4`` per token), the q/k/v projection's input and the gate/up projection's input (the
+    column layers keep the shard and gather it again in backward), so at the same TP the kept bytes differ from
+    those without SP by ``layers (T - T/tp) (2 (e H + 4) + 2 e H)``; nothing else is sequence-split. Backward holds
+    one re-gathered ``[T, H]`` input more (``T e H``); where the MLP is recomputed (NxDT's 70B selective list,
+    CoreAttention + LlamaMLP) its recomputation's working set holds the shard instead of ``[T, H]``
+    (``(T - T/tp) e H`` less)."""
+    from nxd_lc.models.common import memory_plan as mp
+
+    t, h, e, tp, layers = 64, 32, 2, 2, 3
+    shape = {"tokens": t, "hidden": h, "head_dim": 8, "heads_local": 2, "kv_heads_local": 1,
+             "intermediate_local": 48, "vocab_local": 100, "layers": layers, "tp": tp, "element_size": e}
+    plan = "none" if recompute is None else "selective"
+    kept_sp, once_sp, _ = mp.estimate_split(mp.PlanShape(**shape, sequence_parallel=True), plan, recompute=recompute)
+    kept, once, _ = mp.estimate_split(mp.PlanShape(**shape, sequence_parallel=False), plan, recompute=recompute)
+    assert kept - kept_sp == layers * (t - t // tp) * (2 * (e * h + 4) + 2 * e * h)
+    recomputed_mlp_input = (t - t // tp) * e * h if recompute else 0
+    assert once_sp - once == t * e * h - recomputed_mlp_input

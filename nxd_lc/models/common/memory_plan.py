@@ -29,10 +29,11 @@ region: ``T / tp`` under sequence parallelism; ``e`` the activation element size
 
 * RMSNorm: its input and reciprocal RMS (:class:`~nxd_lc.models.common.norm.RMSNorm`'s backward recomputes the rest):
   ``Tn (e H + 4)``;
-* attention: the projection input ``e H``, the fused q/k/v output ``e (Hq + 2 Hkv)`` (v keeps it alive), the rotated
-  q and k ``e (Hq + Hkv)``, the attention output ``e Hq`` and its log-sum-exp ``4 heads/tp``, the o-projection input
-  ``e Hq``: per token of ``T``;
-* SwiGLU MLP: its input ``e H``, gate/up ``2 e I``, ``silu(gate)`` ``e I``, the product ``e I``: per token of ``T``;
+* attention: the projection input ``e H`` per token of ``Tn``; the fused q/k/v output ``e (Hq + 2 Hkv)`` (v keeps
+  it alive), the rotated q and k ``e (Hq + Hkv)``, the attention output ``e Hq`` and its log-sum-exp ``4 heads/tp``,
+  the o-projection input ``e Hq``: per token of ``T``;
+* SwiGLU MLP: its input ``e H`` per token of ``Tn``, gate/up ``2 e I``, ``silu(gate)`` ``e I``, the product ``e I``:
+  per token of ``T``;
 * a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
   set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part);
 * the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
@@ -41,7 +42,8 @@ region: ``T / tp`` under sequence parallelism; ``e`` the activation element size
   fused linear cross-entropy: its ``ceil(V / H)`` row chunks (``e + 4`` per logit, up to twice ``T H / V`` rows
   each), the input's gradient and the float32 weight gradient (Liger-Kernel's ``fused_linear_cross_entropy``);
 * the final norm's output and the RoPE tables ``2 x 4 Dh`` per token;
-* backward's transient gradients of one MLP's activations (of its chunk when tiled), alive with what is saved.
+* backward's transient gradients of one MLP's activations (of its chunk when tiled), alive with what is saved, and
+  under sequence parallelism one column layer's input ``e H`` per token of ``T``, gathered again in backward.
 
 :func:`estimate_split` splits them by lifetime: what a micro-batch keeps from its forward to its backward (the
 saved tensors of its layers, the RoPE tables; with the head, the final norm's output) and what one backward needs
@@ -49,9 +51,11 @@ once (the working set of a recomputed layer or module, the transient gradients, 
 holding several micro-batches counts only the first part per micro-batch. Under ``selective`` the listed modules
 (:data:`RECOMPUTE_PARTS`) keep only their inputs: the norms (``Tn e H`` each), the MLP (``Tn e H``: nxd_lc's MLP
 all-gathers inside), the attention kernel (its output and log-sum-exp; q, k, v stay), the SwiGLU product's
-``silu(gate)`` (``ActivationMultiplyMLP``). nxd_lc's column-parallel layers under sequence parallelism keep their
-all-gathered input ``[T, H]`` for the weight gradient (NxD keeps the ``[T / tp, H]`` shard and gathers it again in
-backward), counted as such.
+``silu(gate)`` (``ActivationMultiplyMLP``). Under sequence parallelism the column-parallel layers keep only the
+``[Tn, H]`` shard of their input for the weight gradient and gather it again in backward
+(:func:`~nxd_lc.distributed.mappings.sequence_parallel_linears`, as NxD and Megatron-LM): the attention's and the
+MLP's inputs count ``Tn`` tokens, and one re-gathered ``[T, H]`` input joins backward's transients (the tiled MLP
+still keeps its gathered input).
 
 It is an upper-bound model of the tensors autograd saves (tested against a FakeTensor measurement of the real step,
 ``tests/test_memory_plan.py``); it does not count parameters, gradients, optimizer state or allocator
@@ -205,12 +209,17 @@ def _norm(s: PlanShape, tokens: int) -> int:
 
 
 def _attention(s: PlanShape, tokens: int) -> int:
+    """The attention's saved tensors over ``tokens`` tokens; its projection input over ``Tn`` (the SP shard)."""
     e, hq, hkv = s.element_size, s.heads_local * s.head_dim, s.kv_heads_local * s.head_dim
-    return tokens * (e * s.hidden + e * (hq + 2 * hkv) + e * (hq + hkv) + 2 * e * hq + 4 * s.heads_local)
+    return (_outside_tokens(s) * e * s.hidden
+            + tokens * (e * (hq + 2 * hkv) + e * (hq + hkv) + 2 * e * hq + 4 * s.heads_local))
 
 
-def _mlp(s: PlanShape, tokens: int) -> int:
-    return tokens * s.element_size * (s.hidden + 4 * s.intermediate_local)
+def _mlp(s: PlanShape, tokens: int, input_tokens: int | None = None) -> int:
+    """The MLP's saved tensors over ``tokens`` tokens, its input over ``input_tokens`` (default: the untiled MLP's
+    ``Tn``, the SP shard its column layer keeps)."""
+    inputs = _outside_tokens(s) if input_tokens is None else input_tokens
+    return s.element_size * (inputs * s.hidden + tokens * 4 * s.intermediate_local)
 
 
 def _outside_tokens(s: PlanShape) -> int:
@@ -219,7 +228,11 @@ def _outside_tokens(s: PlanShape) -> int:
 
 def _layer_bytes(s: PlanShape, mlp_tokens: int | None = None) -> int:
     """Everything one layer keeps without recomputation (``mlp_tokens``: the tiled MLP's chunk)."""
-    mlp = _mlp(s, min(s.tokens, mlp_tokens)) + s.tokens * s.element_size * s.hidden if mlp_tokens else _mlp(s, s.tokens)
+    if mlp_tokens:  # the tiled MLP keeps the gathered [T, H] input and a chunk's tensors while recomputing
+        chunk = min(s.tokens, mlp_tokens)
+        mlp = _mlp(s, chunk, chunk) + s.tokens * s.element_size * s.hidden
+    else:
+        mlp = _mlp(s, s.tokens)
     return 2 * _norm(s, _outside_tokens(s)) + _attention(s, s.tokens) + mlp
 
 
@@ -299,7 +312,10 @@ def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
         else:
             kept = s.layers * layer_input
     mlp_tokens = s.tokens if plan in ("none", "selective", "full") else min(s.tokens, PLAN_MLP_CHUNK)
-    transient = _mlp(s, mlp_tokens)  # backward's gradients of one MLP's activations, alive with its saved ones
+    # backward's gradients of one MLP's activations (its input's: [T, H] before the reduce-scatter), alive with
+    # its saved ones; under SP also a column layer's input gathered again for its weight gradient
+    regathered = s.tokens * e * s.hidden if tn < s.tokens else 0
+    transient = _mlp(s, mlp_tokens, mlp_tokens) + regathered
     loss = _loss_bytes(s, loss_chunk) if s.head else 0
     return kept + shared, once + transient + loss, host
 
