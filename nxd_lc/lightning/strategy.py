@@ -27,7 +27,7 @@ from nxd_lc.checkpoint import reshard, sharded
 from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
-from nxd_lc.layers.param_attrs import check_parallel_attributes, move_module
+from nxd_lc.layers.param_attrs import check_parallel_attributes, move_module, preserving_parallel_attributes
 from nxd_lc.lightning.callbacks import flush_loggers
 from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
 
@@ -121,6 +121,19 @@ class NxDStrategy(DDPStrategy):
         inner = getattr(self.lightning_module, "model", None)
         if isinstance(inner, LlamaForCausalLM):
             check_parallel_attributes(inner)
+
+    def teardown(self) -> None:
+        """Lightning's teardown, with the module moved to the CPU keeping its parameters' parallel attributes and
+        ties (:func:`nxd_lc.layers.param_attrs.preserving_parallel_attributes`): Lightning moves it with ``.cpu()``,
+        which on XLA and PrivateUse1 devices makes new Parameter objects without them, and what runs after fit
+        (LoRA's merged HF export) gathers each parameter by them (on XLA a vocab-parallel embedding without its flag
+        was exported as its local half)."""
+        module = self.lightning_module
+        if module is None:
+            super().teardown()
+            return
+        with preserving_parallel_attributes(module):
+            super().teardown()
 
     def _ranks(self) -> dict[str, Any]:
         """This rank's checkpoint file coordinates (:func:`checkpoint_ranks`)."""
