@@ -9,7 +9,8 @@ the gradient norm: within 1e-5 relative at step 1 (a 2-norm over 3.3M fp32 gradi
 order) and 1e-4 relative after an AdamW step, whose first update moves every element with a nonzero gradient by
 about the learning rate whatever the gradient's size, so elements whose tiny gradients round differently per
 layout move differently (measured on ORPO at step 2: 3.5e-6 relative at DP 2, 3.8e-5 at TP 2 + SP, with every
-loss within 1e-6), and for
+loss within 1e-6); for the same reason the other values after an AdamW step within 1e-5 or 2e-6 relative,
+whichever is larger (ORPO's loss of 10.18 at step 3, TP 2 + SP: 1.05e-5 apart, 1.0e-6 relative), and for
 LoRA the merged HF export and the adapters file (sum of squares per tensor) within 1e-5 relative. No rank may
 trace a graph another rank does not (the test bed stops the run with a named divergence).
 
@@ -31,6 +32,7 @@ from xla_testbed import run_on_xla_devices  # noqa: E402
 
 TOL = 1e-5
 NORM_AFTER_ADAMW = 1e-4  # relative, gradient norms after an AdamW step (module docstring)
+VALUE_AFTER_ADAMW = 2e-6  # relative (or TOL absolute), the other values after an AdamW step
 CI_CASES = {("dpo_precomputed", "tp2_sp"), ("dpo_live", "pp2"), ("lora", "tp2_sp"), ("lora", "pp2")}
 _CASES = [pytest.param(w, lay, marks=[pytest.mark.xla] if (w, lay) in CI_CASES else [pytest.mark.xla_acceptance],
                        id=f"{w}-{lay}")
@@ -84,7 +86,10 @@ def test_alignment_workflow_on_two_xla_devices_equals_one_device(workflow: str, 
                 if name == "rewards/accuracies" and _tie(values):
                     assert step == "1", "the policy still equals the reference after an optimizer step"
                     continue
-                rel = (TOL if step == "1" else NORM_AFTER_ADAMW) if name == "gradient_norm" else 0  # docstring
+                if name == "gradient_norm":  # module docstring
+                    rel = TOL if step == "1" else NORM_AFTER_ADAMW
+                else:
+                    rel = 0 if step == "1" else VALUE_AFTER_ADAMW
                 assert r["steps"][step][name] == pytest.approx(value, abs=TOL, rel=rel), (step, name)
     if workflow == "lora":  # the merged HF export and the adapters file, written by rank 0
         written = ranks[0]["written"]

@@ -59,7 +59,9 @@ from nxd_lc.models.common.family import hf_export_config
 from nxd_lc.models.common.mlp import GeluMLP
 from nxd_lc.models.llama.model import LlamaForCausalLM
 from nxd_lc.moe.layer import MoE
+from nxd_lc.runtime import xla as xla_runtime
 from nxd_lc.runtime.accel import HOST
+from nxd_lc.runtime.xla import is_xla_tensor
 
 __all__ = ["FullTensors", "SafetensorsCheckpoint", "check_safetensors_header", "export_hf_state_dict",
            "load_hf_weights", "merge_tp_shards", "save_hf_weights", "shard_full_tensors"]
@@ -567,16 +569,23 @@ def export_hf_state_dict(model: LlamaForCausalLM, *, rank0_only: bool = False,
             full copy stays in host memory.
         dtype: cast to this dtype (default: each parameter's dtype).
     """
-    entries = _entries(model)
+    tied_copy = model.config.tie_word_embeddings and model.embed_tokens is None  # the first stage exports it
+    entries = [e for e in _entries(model) if not (tied_copy and "lm_head.weight" in e.params)]
     # one full copy per pipeline stage, on the stage's first rank (global rank 0 for the first stage)
     keep = not rank0_only or (parallel_state.get_tensor_model_parallel_rank() == 0
                               and parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0)
+    lazy = is_xla_tensor(next(model.parameters()))
+    # on XLA each entry's gathers run as one graph (a sync), then its reads are transfers; every rank syncs as
+    # often as the stage with the most entries, so all ranks cut their graphs alike (DESIGN principle 16)
+    rounds = collectives.world_max([len(entries)], tag="nxd_lc_hf_export")[0] if lazy else len(entries)
     out: dict[str, torch.Tensor] = {}
-    for e in entries:
-        if model.config.tie_word_embeddings and "lm_head.weight" in e.params and model.embed_tokens is None:
-            continue  # the last stage's copy of a tied embedding: the first stage exports it
-        named = _export_experts(e) if e.kind.startswith("experts") else dict(zip(e.hf_names, _export_entry(e, model)))
-        for name, t in named.items():  # every rank reads: on XLA a read is a graph execution, the same on all
+    for i in range(rounds):
+        e = entries[i] if i < len(entries) else None
+        named = {} if e is None else _export_experts(e) if e.kind.startswith("experts") \
+            else dict(zip(e.hf_names, _export_entry(e, model)))
+        if lazy:
+            xla_runtime.sync()
+        for name, t in named.items():  # every rank reads (a transfer on XLA); the keeping ranks keep
             host = t.to(device=HOST, dtype=dtype or t.dtype, copy=True).contiguous()
             if keep:
                 out[name] = host
