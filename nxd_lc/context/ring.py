@@ -239,6 +239,15 @@ def _ring_group(over_cp: bool) -> collectives.ProcessGroup | None:
     return parallel_state.get_context_parallel_group() if over_cp else None
 
 
+def _stage_local_index(group: collectives.ProcessGroup | None, device: torch.device) -> torch.Tensor | None:
+    """Under pipeline parallelism on XLA the ring runs inside one stage's graph, which the other stages do not run:
+    the CP rank as device data, so that :func:`collectives.ring_exchange` exchanges by an all-gather over the CP
+    group (a collective permute waits for every device); None otherwise."""
+    if group is None or device.type != "xla" or parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        return None
+    return parallel_state.rank_tensor("cp", device)
+
+
 def _rotation(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group: collectives.ProcessGroup | None
               ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor | None]]:
     """``(step, k fp32, v fp32, segment ids)`` of every CP rank's block: at step ``i`` the block of CP rank
@@ -246,8 +255,9 @@ def _rotation(k: torch.Tensor, v: torch.Tensor, seg: torch.Tensor | None, group:
     caller works on one."""
     cp = collectives.group_size(group)
     block = [k.float().contiguous(), v.float().contiguous()] + ([seg.contiguous()] if seg is not None else [])
+    index = _stage_local_index(group, k.device)
     for step in range(cp):
-        pending = collectives.ring_exchange(block, group, tag=_KV_TAG) if step < cp - 1 else None
+        pending = collectives.ring_exchange(block, group, tag=_KV_TAG, rank_index=index) if step < cp - 1 else None
         yield step, block[0], block[1], (block[2] if seg is not None else None)
         if pending is not None:
             block = pending.wait()
@@ -310,7 +320,7 @@ def _pass_on_grads(dk: torch.Tensor, dv: torch.Tensor, incoming: collectives.Rin
     if incoming is not None:
         dk_in, dv_in = incoming.wait()
         dk, dv = dk + dk_in, dv + dv_in
-    return collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG)
+    return collectives.ring_exchange([dk, dv], group, tag=_GRAD_TAG, rank_index=_stage_local_index(group, dk.device))
 
 
 # ---- the rank-invariant ring (XLA) ---------------------------------------------------------------------------------

@@ -242,7 +242,8 @@ class RingExchange:
         return self._received
 
 
-def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, tag: int = 0) -> RingExchange:
+def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, tag: int = 0,
+                  rank_index: torch.Tensor | None = None) -> RingExchange:
     """Asynchronously send ``tensors`` to the next rank of ``group`` and receive the previous rank's.
 
     Group rank ``r`` sends to ``(r + 1) % n`` and receives from ``(r - 1) % n`` (ring attention's K/V rotation,
@@ -255,7 +256,13 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     dtype (the tensors of a dtype flattened and concatenated), whose source/target pairs are the rings of *every*
     group of ``group``'s partition (:func:`_xla_ring_pairs`): every rank of the world traces the same graph, with
     no rank-dependent constant and no host read; ``tag`` is not needed there (the exchanges are ordered in the
-    graph) and ``.wait()`` returns the lazy results.
+    graph) and ``.wait()`` returns the lazy results. An XLA collective permute is joined by every device of the
+    computation, whatever its pairs (XLA:CPU waits for all of them), so it cannot sit in a graph that not every rank
+    runs, such as one pipeline stage's: there, pass ``rank_index`` (this rank's index in ``group`` as an int64
+    ``[1]`` device tensor, :func:`nxd_lc.distributed.parallel_state.rank_tensor`) and the exchange is an all-gather
+    over the group's replica groups (joined by the group alone, as the TP collectives inside a stage are) with the
+    previous rank's part picked by that index: the same graph on every rank, ``group size`` times the permute's
+    traffic.
 
     Returns:
         a :class:`RingExchange`; call ``.wait()`` before reading the received tensors.
@@ -264,7 +271,13 @@ def ring_exchange(tensors: Sequence[torch.Tensor], group: ProcessGroup | None, t
     if size == 1:
         return RingExchange([], [], list(tensors))
     if _backend(group) == "xla":
-        return RingExchange([], [], _xla_ring_permute(list(tensors), _xla_ring_pairs(group)))
+        if rank_index is not None:
+            return RingExchange([], [], _by_dtype(list(tensors), lambda flat: _previous_part(flat, group,
+                                                                                              rank_index)))
+        from nxd_lc.runtime.xla import collective_permute
+
+        pairs = _xla_ring_pairs(group)
+        return RingExchange([], [], _by_dtype(list(tensors), lambda flat: collective_permute(flat, pairs)))
     rank = dist.get_rank(group)
     nxt = dist.get_global_rank(group, (rank + 1) % size)
     prev = dist.get_global_rank(group, (rank - 1) % size)
@@ -310,21 +323,27 @@ def _xla_ring_pairs(group: ProcessGroup) -> list[tuple[int, int]]:
     return shift_pairs([sorted(int(r) for r in ranks) for ranks in mesh], 1, ring=True)
 
 
-def _xla_ring_permute(tensors: list[torch.Tensor], pairs: list[tuple[int, int]]) -> list[torch.Tensor]:
-    """Send ``tensors`` along ``pairs`` with one ``collective_permute`` per dtype
-    (:func:`nxd_lc.runtime.xla.collective_permute`); the received tensors, in input order and shapes."""
-    from nxd_lc.runtime.xla import collective_permute
-
+def _by_dtype(tensors: list[torch.Tensor], exchange: Any) -> list[torch.Tensor]:
+    """``exchange`` applied once per dtype to the tensors of that dtype flattened and concatenated; the received
+    tensors, in input order and shapes."""
     received: list[torch.Tensor] = list(tensors)  # every slot is replaced below
     by_dtype: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
         by_dtype.setdefault(t.dtype, []).append(i)
     for indices in by_dtype.values():
         flat = torch.cat([tensors[i].reshape(-1) for i in indices])
-        parts = collective_permute(flat, pairs).split([tensors[i].numel() for i in indices])
+        parts = exchange(flat).split([tensors[i].numel() for i in indices])
         for i, part in zip(indices, parts):
             received[i] = part.view(tensors[i].shape)
     return received
+
+
+def _previous_part(flat: torch.Tensor, group: ProcessGroup, rank_index: torch.Tensor) -> torch.Tensor:
+    """The previous group rank's ``flat`` (ring order): an all-gather over ``group`` and a pick by ``rank_index``
+    (device data, so every rank traces the same graph)."""
+    size = group_size(group)
+    rows = all_gather(flat.unsqueeze(0), 0, group)  # [size, n], group-rank order
+    return rows.index_select(0, (rank_index.reshape(1) + size - 1) % size).reshape(-1)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group: ProcessGroup | None) -> torch.Tensor:
