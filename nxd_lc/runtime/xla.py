@@ -253,6 +253,22 @@ def bitcast_float32_int32(x: torch.Tensor, to_int: bool = True) -> torch.Tensor:
     return to_i32(x) if to_int else to_f32(x)  # type: ignore[operator]
 
 
+def all_to_all(tensor: torch.Tensor, split_dim: int, concat_dim: int, split_count: int,
+               groups: list[list[int]]) -> torch.Tensor:
+    """XLA ``AllToAll`` inside each replica group of ``groups`` (global device ordinals, every group of the
+    partition, the same list on every device): ``tensor`` split along ``split_dim`` into ``split_count`` chunks,
+    chunk ``j`` sent to the group's ``j``-th device, the received chunks concatenated along ``concat_dim`` in group
+    order. A lazy op.
+
+    Raises:
+        ModuleNotFoundError: torch-xla is not installed.
+    """
+    require_torch_xla("all_to_all")
+    import torch_xla.core.xla_model as xm
+
+    return xm.all_to_all(tensor, split_dim, concat_dim, split_count, groups=groups, pin_layout=False)
+
+
 def collective_permute(tensor: torch.Tensor, pairs: list[tuple[int, int]]) -> torch.Tensor:
     """XLA ``CollectivePermute``: device ``target`` receives ``tensor`` of device ``source`` for each
     ``(source, target)`` pair (global device ordinals = torch.distributed ranks on torch-xla); a device that no
