@@ -18,7 +18,7 @@ Forward (GShard/Switch-style slot dispatch, Lepikhin et al. 2020, arXiv:2006.166
    With ``capacity_factor`` (and ``dropless: false``) an expert keeps ``C = ceil(cf * T * k / E)`` slots
    (:func:`~nxd_lc.moe.routing.expert_capacity`); later tokens beyond ``C`` are dropped for that expert (NxD's
    order: first and second choices compete equally). Dropless: ``C`` = the largest expert load in the EP
-   group, nothing is dropped (one host read of the load per call);
+   group, nothing is dropped (one host read of the load per call); on XLA ``C = T`` (static, no host read);
 4. the kept pairs' top-k affinities are renormalised to sum 1 per token when ``normalize_top_k_affinities``
    (after dropping, as NxD; a token that lost every expert outputs 0, the residual carries it);
 5. scatter tokens into ``[E, C, H]`` slots, all-to-all over EP (each rank receives ``[E/ep, ep*C, H]`` for its
@@ -177,9 +177,15 @@ class MoE(nn.Module):
                            routing_stats.tokens * tp)
 
     def _capacity(self, load: torch.Tensor, tokens: int) -> int:
-        """Slots per expert: the capacity-factor formula, or (dropless) the largest load over the EP group."""
+        """Slots per expert: the capacity-factor formula, or (dropless) the largest load over the EP group; on XLA
+        (dropless) every token: an expert takes a token at most once, so ``T`` slots drop nothing, with static
+        shapes and no host read (the largest load is data: a host read in every MoE layer, and a new graph, i.e.
+        a compile, for every new value; under pipeline parallelism the reads also broke the stages' ordered graph
+        cuts). NxD's dropless training likewise runs every expert over every token."""
         if self.capacity_factor is not None:
             return expert_capacity(tokens, self.num_experts, self.top_k, self.capacity_factor)
+        if load.device.type == "xla":
+            return tokens
         peak = load.max().reshape(1).to(torch.int64)
         group = parallel_state.get_expert_model_parallel_group()
         if collectives.group_size(group) > 1:
