@@ -104,6 +104,48 @@ def test_own_checkpoint_files_load_under_the_allowlist(tmp_path: Path) -> None:
     assert back["b"][1] == (1, 2.5, "s", None) and back["c"]["d"].dtype == torch.bfloat16
 
 
+def test_restricted_loads_in_two_threads_do_not_take_each_others_allowlist(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's ``safe_globals`` context adds to and removes from one process-wide set: a thread that left it while
+    another was still inside its load took the allowance away (the load was refused; seen with one thread per XLA
+    device on the test bed). Thread A's load is held open until thread B has finished its own (or 1 s): both
+    structure files still load."""
+    import threading
+
+    paths = []
+    for name in ("a", "b"):
+        paths.append(tmp_path / f"{name}.pt")
+        xser.save_xser({"w": torch.arange(3.0)}, str(paths[-1]))
+    a_inside, b_done, results = threading.Event(), threading.Event(), {}
+    real_load = torch.load
+
+    def held_load(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name == "A":
+            a_inside.set()
+            b_done.wait(timeout=1.0)  # with the lock B cannot finish meanwhile: A goes on after the timeout
+        return real_load(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "load", held_load)
+
+    def load(name: str, path: Path) -> None:
+        try:
+            results[name] = xser.load_xser(str(path))["w"]
+        except UnsafeCheckpointError as e:
+            results[name] = e
+        finally:
+            if name == "B":
+                b_done.set()
+
+    a = threading.Thread(target=load, args=("A", paths[0]), name="A")
+    a.start()
+    assert a_inside.wait(timeout=10)  # A is inside its restricted load
+    b = threading.Thread(target=load, args=("B", paths[1]), name="B")
+    b.start()
+    a.join()
+    b.join()
+    assert all(isinstance(r, torch.Tensor) and torch.equal(r, torch.arange(3.0)) for r in results.values()), results
+
+
 def test_planted_user_content_next_to_a_run_runs_nothing(tmp_path: Path, marker: Path) -> None:
     """Reconciling ``save_top_k`` reads the ``user_content.pt`` of every checkpoint directory in the run directory:
     a planted directory is not counted (logged), and its code does not run."""

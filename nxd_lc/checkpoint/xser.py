@@ -41,6 +41,7 @@ import os
 import pickle
 import re
 import shutil
+import threading
 import types
 import zipfile
 from collections.abc import Callable
@@ -94,6 +95,10 @@ SAFE_GLOBALS: list[Any] = [TensorReference] + [(TensorReference, f"{m}.{n}")
                                                 for m, n in sorted(_FOREIGN_REFERENCE_CLASSES)]
 
 _WEIGHTS_ONLY = [True]  # process-wide policy: exp_manager.checkpoint_weights_only (set once at start-up)
+#: torch's ``safe_globals`` context manager adds its globals to a process-wide set on entry and removes them on exit,
+#: so a thread leaving it took them away from another thread still loading (that load was refused: seen with one
+#: thread per XLA device on the multi-device test bed); restricted loads take this lock.
+_SAFE_LOAD_LOCK = threading.Lock()
 log = logging.getLogger(__name__)
 
 
@@ -226,7 +231,8 @@ def check_stored_records(path: str) -> None:
 
 def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
     """``torch.load`` of ``path`` with the restricted unpickler and :data:`SAFE_GLOBALS` (full unpickling only
-    under ``set_weights_only(False)``), after :func:`check_stored_records`.
+    under ``set_weights_only(False)``), after :func:`check_stored_records`. Thread-safe: restricted loads of one
+    process run one at a time (torch's allow-list is process-wide).
 
     Raises:
         UnsafeCheckpointError: the file names a global outside the allowed set (names the file and the global).
@@ -236,7 +242,7 @@ def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
     if not _WEIGHTS_ONLY[0]:
         return torch.load(path, map_location=map_location, pickle_module=_xser_pickle_module, weights_only=False)
     try:
-        with torch.serialization.safe_globals(SAFE_GLOBALS):
+        with _SAFE_LOAD_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
             return torch.load(path, map_location=map_location, weights_only=True)
     except pickle.UnpicklingError as e:
         text = str(e)
