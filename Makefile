@@ -18,7 +18,7 @@ XLA_DEPS := pyproject.toml constraints-xla.txt
 # The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
 TEST_LANES ?= test-fast test-xla
 
-.PHONY: demo test test-fast test-xla test-xla-acceptance test-slurm install install-dev install-xla lint clean-runs
+.PHONY: demo test test-fast test-xla test-xla-acceptance test-nxdt-xla test-slurm install install-dev install-xla lint clean-runs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -71,6 +71,14 @@ test-xla: install-xla
 # PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 4 of them)
 test-xla-acceptance: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py
+
+# not part of `make test`: every NxDT example (the 19 files + the older SFT layout, and the EP / tiled variants)
+# trained shrunk through train.py's path on the XLA test bed at its own layout against one device (lane 2 runs the
+# CI subset); tests split over the workers one by one (--dist load)
+test-nxdt-xla: install-xla
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=30 \
+		$(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist load) -m nxdt_xla \
+		tests/test_nxdt_examples_train_xla.py
 
 lint: install-dev
 	$(VENV)/bin/ruff check nxd_lc tests train.py

@@ -60,14 +60,10 @@ def test_parity_with_one_device(one_device: dict, devices: int, kwargs: dict) ->
 
 def test_mixtral_expert_parallel_parity_with_one_device() -> None:
     """Mixtral (4 experts, top 2, capacity factor 4: nothing dropped) with its experts split over EP = 2 (the DP
-    ranks; tokens exchanged by all-to-all) equals one XLA device, alone and at TP 2 + SP (4 devices)."""
+    ranks; tokens exchanged by all-to-all) equals one XLA device. EP 2 at TP 2 (the EP group smaller than the world):
+    ``tests/test_nxdt_examples_train_xla.py``'s ``hf_mixtral_8x7b_config-ep2``, in lane 2 too."""
     reference = run_on_xla_devices("xla_scenarios:train", 1, {"model": "mixtral"}).results[0]
     run = run_on_xla_devices("xla_scenarios:train", 2, {"model": "mixtral", "ep": 2})
-    _assert_parity(run.results, reference)
-    # EP 2 over DP 2 at TP 2 + SP: the EP group is smaller than the world; torch-xla's ProcessGroupXla.alltoall gives
-    # the op no replica groups and XLA's HLO verifier refused it (operand_count() == split_count) before
-    # collectives.all_to_all passed the group's mesh (found by NxDT's Mixtral file with EP 2 on the test bed)
-    run = run_on_xla_devices("xla_scenarios:train", 4, {"model": "mixtral", "ep": 2, "tp": 2, "sp": True})
     _assert_parity(run.results, reference)
 
 

@@ -13,6 +13,7 @@ checkpoint format, once per TP layout (a LoRA run cannot re-shard its starting c
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 
@@ -25,15 +26,41 @@ def _layout() -> dict[str, int]:
             "dp": ps.get_data_parallel_world_size()}
 
 
+_CAPTURE = threading.local()  # this device thread's LightningModule of the last run
+_CAPTURE_LOCK = threading.Lock()
+
+
+def _install_module_capture() -> None:
+    """Once per process: ``nxd_lc.app.run`` hands the LightningModule it builds to :data:`_CAPTURE` (per thread)."""
+    import nxd_lc.app.run as run_module
+
+    with _CAPTURE_LOCK:
+        if hasattr(run_module._lightning_module, "_capture"):
+            return
+        original = run_module._lightning_module
+
+        def capture(*args: Any, **kwargs: Any) -> Any:
+            _CAPTURE.module = original(*args, **kwargs)
+            return _CAPTURE.module
+
+        capture._capture = True  # type: ignore[attr-defined]
+        run_module._lightning_module = capture
+
+
 def example_job(rank: int, world: int, config_dir: str, config_name: str, overrides: list[str]) -> dict[str, Any]:
     """``config_dir/config_name.yaml`` composed with ``overrides`` and run through ``train.py``'s code path in this
     device thread (:func:`xla_scenarios.nxdt_job`). Returns its recorded steps (loss, gradient norm, learning
     rate), validation losses and step reached, plus ``layout``: the TP / PP / CP / EP / DP sizes the run built
-    (nxd_lc's parallel state outlives ``run``)."""
+    (nxd_lc's parallel state outlives ``run``), and ``tiled``: the model's tiled-loss chunk size and how many MLPs
+    run tiled (what ``model.tiled_*_chunk_size`` turned on)."""
     from xla_scenarios import nxdt_job
 
+    _install_module_capture()
     out = nxdt_job(rank, world, config_dir, config_name, overrides)
     out["layout"] = _layout()
+    model = _CAPTURE.module.model
+    out["tiled"] = {"loss_chunk": getattr(model, "tiled_loss_chunk_size", None),
+                    "mlps": sum(getattr(m, "tiled_chunk_size", None) is not None for m in model.modules())}
     return out
 
 
