@@ -302,7 +302,8 @@ def _old_sft_layout(files: dict[str, Path], run_dir: Path) -> tuple[Path, list[s
     tree = _old_layout({"train": files["sft_jsonl"], "val": files["sft_jsonl"], "tokenizer": files["tokenizer"]},
                        run_dir)
     (config_dir / f"{OLD_SFT}.yaml").write_text(yaml.safe_dump(tree, sort_keys=False))
-    return config_dir, [f"exp_manager.explicit_log_dir={run_dir}", f"compiler_cache_url={run_dir}/compile_cache"]
+    return config_dir, [f"exp_manager.explicit_log_dir={run_dir}", f"compiler_cache_url={run_dir}/compile_cache",
+                        "exp_manager.checkpoint_callback_params.every_n_train_steps=2"]  # as the others: at step 2
 
 
 def _resolve(case: Case, layout: Layout, files: dict[str, Path], run_dir: Path) -> tuple[Path, str, list[str]]:
