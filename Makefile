@@ -68,7 +68,7 @@ test-xla: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) -m "(xla or compat) and not lane1_only" tests
 
 # not part of `make test`: every alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and
-# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 4 of them)
+# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 2 of them)
 test-xla-acceptance: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py
 
