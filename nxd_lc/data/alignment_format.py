@@ -18,6 +18,9 @@ BOS), the response is tokenized alone and EOS is appended. Message lists go thro
 * any other string: a jinja template (HF ``apply_chat_template`` semantics), or the name of one of the
   tokenizer's named templates.
 
+Templates are code from outside (the tokenizer's files): they render in jinja2's sandbox with time and size bounds
+(:mod:`~nxd_lc.data.chat_sandbox`), and an error names the bound and the file the template came from.
+
 Tool use: a template whose source mentions ``tool_calls`` receives the assistant ``tool_calls`` as they are, and
 one that mentions ``tools`` receives the ``tools`` list. Otherwise (e.g. SmolLM2's ChatML template, or
 passthrough) they are written into the message text, Hermes style: the tools as
@@ -45,13 +48,16 @@ separate prompt / completion tokenization does; byte-level BPE tokenizers (SmolL
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import jinja2
 import numpy as np
 
 from nxd_lc.config.alignment_schema import DEFAULT_CHAT_TEMPLATE
+from nxd_lc.data.chat_sandbox import ChatTemplateLimitError, RenderLimits, SandboxedChatTemplate
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerFast
@@ -107,16 +113,29 @@ class ChatRenderer:
     Args:
         tokenizer: the fast tokenizer (its ``apply_chat_template`` and ``eos_token``).
         chat_template: ``'default'`` | None (passthrough) | a jinja string | a named template of the tokenizer.
+        limits: the time / size bounds of one rendering (:mod:`~nxd_lc.data.chat_sandbox`; default
+            :class:`~nxd_lc.data.chat_sandbox.RenderLimits`).
     Raises:
-        ValueError: a string that is neither a jinja template nor one of the tokenizer's template names.
+        ValueError: a string that is neither a jinja template nor one of the tokenizer's template names; a
+            template that does not parse (names where it comes from).
     """
 
-    def __init__(self, tokenizer: PreTrainedTokenizerFast, chat_template: str | None) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerFast, chat_template: str | None,
+                 limits: RenderLimits | None = None) -> None:
         self.tokenizer = tokenizer
         self.setting = chat_template
         self.template = _resolve_template(tokenizer, chat_template)
+        self.origin = template_origin(tokenizer, chat_template)
         self.native_tool_calls = self.template is not None and "tool_calls" in self.template
         self.native_tools = self.template is not None and "tools" in self.template
+        self.sandboxed: SandboxedChatTemplate | None = None
+        if self.template is not None:
+            try:
+                self.sandboxed = SandboxedChatTemplate(self.template, tokenizer.special_tokens_map, limits)
+            except jinja2.TemplateSyntaxError as e:
+                raise ValueError(f"data.tokenizer.chat_template: the chat template from {self.origin} does not "
+                                 f"parse (template line {e.lineno}: {e.message}); fix it or give another "
+                                 "template") from None
 
     def _check_template(self, where: str) -> None:
         if self.setting is not None and self.template is None:
@@ -151,17 +170,26 @@ class ChatRenderer:
                where: str) -> str:
         """Text of normalized ``messages`` (passthrough: contents concatenated, EOS after assistant turns).
 
+        The template runs in a bounded sandbox (:mod:`~nxd_lc.data.chat_sandbox`; as ``apply_chat_template``
+        with ``tokenize=False`` otherwise).
+
         Raises:
             ValueError: the template fails on the record (jinja's error, naming ``where``).
+            ChatTemplateLimitError: the rendering exceeded a time / size bound (names ``where``, the template's
+                origin, e.g. ``<tokenizer dir>/tokenizer_config.json``, and the bound).
         """
         if self.setting is None:
             eos = self.tokenizer.eos_token or ""
             return "".join(m["content"] + (eos if m["role"] == "assistant" else "") for m in messages)
         self._check_template(where)
+        assert self.sandboxed is not None
         try:
-            return self.tokenizer.apply_chat_template(
-                messages, tools=tools if self.native_tools and tools else None, chat_template=self.template,
-                add_generation_prompt=add_generation_prompt, tokenize=False)
+            return self.sandboxed.render(messages, tools=tools if self.native_tools and tools else None,
+                                         add_generation_prompt=add_generation_prompt)
+        except ChatTemplateLimitError as e:
+            raise ChatTemplateLimitError(f"{where}: the chat template from {self.origin} stopped: {e}; fix or "
+                                         "replace the template (data.tokenizer.chat_template: a jinja string, or "
+                                         "null)") from None
         except Exception as e:  # jinja raises its own types (TemplateError, UndefinedError, TypeError)
             raise ValueError(f"{where}: the chat template failed on this record: {type(e).__name__}: {e}") from e
 
@@ -189,6 +217,22 @@ class ChatRenderer:
             if len(upto) > len(prefix):
                 spans.append((len(prefix), len(upto)))
         return full, spans
+
+
+def template_origin(tokenizer: PreTrainedTokenizerFast, setting: str | None) -> str:
+    """Where the template of ``setting`` comes from, for errors: ``data.tokenizer.chat_template`` for a jinja
+    string, else the tokenizer directory's file that holds it (``chat_template.jinja``,
+    ``additional_chat_templates/<name>.jinja`` or ``tokenizer_config.json``)."""
+    own = tokenizer.chat_template
+    if setting is not None and setting != DEFAULT_CHAT_TEMPLATE and not (isinstance(own, Mapping) and setting in own):
+        return "data.tokenizer.chat_template (a jinja string of the config)"
+    directory = str(getattr(tokenizer, "name_or_path", "") or "")
+    if not directory or not os.path.isdir(directory):
+        return "the tokenizer's tokenizer_config.json ('chat_template')"
+    named = setting not in (None, DEFAULT_CHAT_TEMPLATE)
+    name = os.path.join("additional_chat_templates", f"{setting}.jinja") if named else "chat_template.jinja"
+    path = os.path.join(directory, name)
+    return path if os.path.isfile(path) else os.path.join(directory, "tokenizer_config.json")
 
 
 def _resolve_template(tokenizer: PreTrainedTokenizerFast, setting: str | None) -> str | None:
@@ -273,14 +317,16 @@ class RecordFormatter:
         tokenizer: fast tokenizer with an ``eos_token_id``.
         chat_template: ``data.tokenizer.chat_template`` (see module doc).
         input_key, output_key: ``data.input_key`` / ``data.output_key`` of NxDT SFT records.
+        limits: bounds of one chat-template rendering (see :class:`ChatRenderer`).
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerFast, chat_template: str | None = DEFAULT_CHAT_TEMPLATE,
-                 *, input_key: str = "input", output_key: str = "output") -> None:
+                 *, input_key: str = "input", output_key: str = "output",
+                 limits: RenderLimits | None = None) -> None:
         if tokenizer.eos_token_id is None:
             raise ValueError("data.tokenizer.type: the tokenizer has no eos token; responses end with it")
         self.tokenizer = tokenizer
-        self.renderer = ChatRenderer(tokenizer, chat_template)
+        self.renderer = ChatRenderer(tokenizer, chat_template, limits)
         self.input_key, self.output_key = input_key, output_key
         self.eos_id = int(tokenizer.eos_token_id)
         self._text_prefix = _leading_special_ids(tokenizer)
