@@ -390,6 +390,36 @@ def test_dev_choose_samples_and_val_dir(tok: PreTrainedTokenizerFast, tmp_path: 
         read_records(str(tmp_path / "missing"), "data.val_dir")
 
 
+@pytest.mark.parametrize("algorithm", ["sft", "dpo"])
+def test_records_without_targets_name_the_file_lines_and_cause(tok: PreTrainedTokenizerFast, tmp_path: Path,
+                                                                algorithm: str) -> None:
+    """All-empty strings leave nothing to learn: the error names the file, the records and that cause, not
+    data.seq_length (issue 40, item 8)."""
+    rec = {"input": "", "output": ""} if algorithm == "sft" else {"prompt": "", "chosen": "", "rejected": ""}
+    path = _write(tmp_path / "empty.jsonl", [rec] * 3)
+    strategy = ModelAlignmentStrategyConfig(**{algorithm: SFTConfig() if algorithm == "sft" else DPOConfig()})
+    with pytest.raises(ValueError) as err:
+        _module(tok, path, strategy)
+    msg = str(err.value)
+    assert re.search(rf"data\.train_dir: no usable records in {path}: 3 of 3 records have no target token "
+                     rf"\(e\.g\. {path}:1, {path}:2, {path}:3\)", msg), msg
+    assert "empty" in msg and "seq_length" not in msg, msg
+
+
+def test_records_too_long_for_seq_length_are_told_apart(tok: PreTrainedTokenizerFast, tmp_path: Path) -> None:
+    recs = [{"input": "", "output": ""}, {"input": "dog " * 40, "output": "fox"}, {"input": "the " * 40, "output": "a"}]
+    path = _write(tmp_path / "mixed.jsonl", recs)
+    for drop, cause in ((False, r"2 lost every target token to truncation at data\.seq_length 16"),
+                        (True, r"2 were longer than data\.seq_length 16 and dropped "
+                                r"\(model_alignment_strategy\.sft\.drop_overlong\)")):
+        strategy = ModelAlignmentStrategyConfig(sft=SFTConfig(drop_overlong=drop, truncation_mode="keep_start"))
+        with pytest.raises(ValueError) as err:
+            _module(tok, path, strategy, seq=16)
+        msg = str(err.value)
+        assert re.search(rf"no usable records in {path}: 1 of 3 records have no target token \(e\.g\. {path}:1\)",
+                         msg) and re.search(cause, msg) and "raise data.seq_length" in msg, msg
+
+
 # ---- config ------------------------------------------------------------------------------------------------------
 def test_alignment_config_validation() -> None:
     base = OmegaConf.structured(ModelAlignmentStrategyConfig)

@@ -339,14 +339,34 @@ class ModelAlignmentDataModule(PretrainingDataModule):
             dataset, lengths, rows = self._pair_dataset(formatter, records, stats)
         ratio = fill_ratio(lengths, rows, self.seq_length)
         level = logging.WARNING if stats.num_truncated or stats.num_dropped else logging.INFO
-        log.log(level, "%s (%s): %d records -> %d kept, %d truncated, %d dropped (%d over-long, %d without "
-                "targets); %d %s of %d tokens, fill ratio %.3f", key, self.algorithm, stats.num_records,
-                stats.num_kept, stats.num_truncated, stats.num_dropped, stats.num_dropped_overlong,
-                stats.num_dropped_no_target, len(dataset), "rows" if self.algorithm == "sft" else "pairs",
-                self.seq_length, ratio)
+        log.log(level, "%s (%s): %d records -> %d kept, %d truncated, %d dropped (%d over-long, %d truncated to no "
+                "target, %d without any target%s); %d %s of %d tokens, fill ratio %.3f", key, self.algorithm,
+                stats.num_records, stats.num_kept, stats.num_truncated, stats.num_dropped, stats.num_dropped_overlong,
+                stats.num_dropped_no_target, stats.num_dropped_empty,
+                f", e.g. {', '.join(stats.empty_records)}" if stats.empty_records else "", len(dataset),
+                "rows" if self.algorithm == "sft" else "pairs", self.seq_length, ratio)
         if not len(dataset):
-            raise ValueError(f"{key}: no usable records ({stats}); raise data.seq_length or fix the records")
+            raise ValueError(f"{key}: no usable records in {resolve_path(path)}: "
+                             + "; ".join(self._drop_causes(stats)))
         return dataset, stats, ratio
+
+    def _drop_causes(self, stats: TruncationStats) -> list[str]:
+        """Each cause of dropped records with its count and its fix (for the no-usable-records error)."""
+        seq, sub = self.seq_length, f"model_alignment_strategy.{self.algorithm}"
+        causes = []
+        if stats.num_dropped_empty:
+            causes.append(f"{stats.num_dropped_empty} of {stats.num_records} records have no target token (e.g. "
+                          f"{', '.join(stats.empty_records)}): their output / chosen / rejected text is empty after "
+                          "an empty prompt, or they have no assistant turn; fix or remove those records")
+        if stats.num_dropped_no_target:
+            fix = f"lower {sub}.max_prompt_length" if self.algorithm != "sft" else f"set {sub}.truncation_mode: " \
+                "keep_end"
+            causes.append(f"{stats.num_dropped_no_target} lost every target token to truncation at data.seq_length "
+                          f"{seq} (the prompt fills it): raise data.seq_length or {fix}")
+        if stats.num_dropped_overlong:
+            causes.append(f"{stats.num_dropped_overlong} were longer than data.seq_length {seq} and dropped "
+                          f"({sub}.drop_overlong): raise data.seq_length or set {sub}.drop_overlong: false")
+        return causes or [f"{stats.num_records} records read, none kept"]
 
     def _sft_dataset(self, formatter: RecordFormatter, records: list[Record],
                      stats: TruncationStats) -> tuple[SFTRowsDataset, list[int], list[list[int]]]:
@@ -354,7 +374,7 @@ class ModelAlignmentDataModule(PretrainingDataModule):
         examples = []
         for rec, where in records:
             ex = prepare_sft_example(formatter.encode_sft(rec, where), self.seq_length, sft.truncation_mode,
-                                     sft.drop_overlong, stats)
+                                     sft.drop_overlong, stats, where)
             if ex is not None:
                 examples.append(ex)
         lengths = [ids.shape[0] for ids, _ in examples]
@@ -369,7 +389,7 @@ class ModelAlignmentDataModule(PretrainingDataModule):
         pairs = []
         for rec, where in records:
             pair = prepare_pair(formatter.encode_preference(rec, where), self.seq_length, max_prompt,
-                                sub.truncation_mode, stats, key=key)
+                                sub.truncation_mode, stats, key=key, where=where)
             if pair is not None:
                 pairs.append(pair)
         lengths = [ex[0].shape[0] for pair in pairs for ex in pair]

@@ -12,8 +12,9 @@ Row layout (every tensor ``[S]``, S = seq_length; the collate functions stack th
   padding sits after the only example, which causal attention never lets it see.
 
 Over-long records (more than S tokens) are truncated to S tokens (``truncation_mode``: ``keep_start`` keeps
-the first S, ``keep_end`` the last S) or, with ``drop_overlong``, dropped; examples left without any target are
-dropped too. All of it is counted in :class:`TruncationStats`, never silent.
+the first S, ``keep_end`` the last S) or, with ``drop_overlong``, dropped; examples without any target token
+(empty strings, no assistant turn) or left without one by truncation are dropped too. All of it is counted in
+:class:`TruncationStats` (each cause apart), never silent.
 
 Preference pairs (DPO / ORPO) follow TRL's rule: when ``prompt + longer response > S``, the prompt is cut to
 ``max_prompt_length`` tokens (``keep_start``: its first tokens, ``keep_end``: its last); if that is still too
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -42,6 +43,10 @@ IGNORE_INDEX = -100
 Example = tuple[np.ndarray, np.ndarray]
 
 
+#: how many records without targets :class:`TruncationStats` names (file:line)
+NUM_EMPTY_NAMED = 3
+
+
 @dataclass
 class TruncationStats:
     """What happened to the records of one split (counts of records)."""
@@ -50,12 +55,20 @@ class TruncationStats:
     num_kept: int = 0  # examples (SFT) or pairs (DPO / ORPO) in the dataset
     num_truncated: int = 0  # over-long records that were truncated (and kept)
     num_dropped_overlong: int = 0  # over-long records dropped (sft.drop_overlong)
-    num_dropped_no_target: int = 0  # records without any target token left (e.g. truncated away)
+    num_dropped_no_target: int = 0  # records whose target tokens were all truncated away
+    num_dropped_empty: int = 0  # records without any target token even uncut (empty strings, no assistant turn)
+    empty_records: list[str] = field(default_factory=list)  # where the first NUM_EMPTY_NAMED of those are
 
     @property
     def num_dropped(self) -> int:
         """All dropped records."""
-        return self.num_dropped_overlong + self.num_dropped_no_target
+        return self.num_dropped_overlong + self.num_dropped_no_target + self.num_dropped_empty
+
+    def count_empty(self, where: str) -> None:
+        """Count a record dropped for having no target token at all; keep ``where`` among the first few."""
+        self.num_dropped_empty += 1
+        if where and len(self.empty_records) < NUM_EMPTY_NAMED:
+            self.empty_records.append(where)
 
 
 def shifted_labels(input_ids: np.ndarray, target_mask: np.ndarray) -> np.ndarray:
@@ -74,10 +87,19 @@ def _cut(arr: np.ndarray, n: int, mode: str) -> np.ndarray:
     return arr[:n] if mode == "keep_start" else arr[arr.shape[0] - n:]
 
 
+def _has_target(target_mask: np.ndarray, after_prompt: bool = False) -> bool:
+    """Whether some token is predicted: a target token with a token before it (``after_prompt``: the sequence
+    follows a non-empty prompt). A record whose only target is its first token (EOS after an empty prompt and
+    output) has none."""
+    return bool(target_mask[0 if after_prompt else 1:].any())
+
+
 def prepare_sft_example(enc: Encoded, seq_length: int, truncation_mode: str, drop_overlong: bool,
-                        stats: TruncationStats) -> Example | None:
+                        stats: TruncationStats, where: str = "") -> Example | None:
     """Truncate (or drop) one SFT example to ``seq_length`` tokens and shift its labels; update ``stats``.
 
+    Args:
+        where: the record (file:line), kept in ``stats.empty_records`` when it has no target token at all.
     Returns:
         ``(input_ids, labels)`` int32 ``[L <= seq_length]``, or None when dropped (counted in ``stats``).
     Raises:
@@ -86,6 +108,9 @@ def prepare_sft_example(enc: Encoded, seq_length: int, truncation_mode: str, dro
     _check_mode(truncation_mode, "model_alignment_strategy.sft.truncation_mode")
     stats.num_records += 1
     ids, mask = enc.input_ids, enc.target_mask
+    if not _has_target(mask):
+        stats.count_empty(where)
+        return None
     if ids.shape[0] > seq_length:
         if drop_overlong:
             stats.num_dropped_overlong += 1
@@ -101,14 +126,17 @@ def prepare_sft_example(enc: Encoded, seq_length: int, truncation_mode: str, dro
 
 
 def prepare_pair(pair: EncodedPair, seq_length: int, max_prompt_length: int, truncation_mode: str,
-                 stats: TruncationStats, key: str = "model_alignment_strategy.dpo") -> tuple[Example, Example] | None:
+                 stats: TruncationStats, key: str = "model_alignment_strategy.dpo",
+                 where: str = "") -> tuple[Example, Example] | None:
     """Truncate a preference pair (module doc) into ``(chosen, rejected)`` examples sharing the prompt.
 
     Each example is ``prompt + response`` with targets on the response's assistant tokens only.
 
+    Args:
+        where: the record (file:line), kept in ``stats.empty_records`` when a response has no target token at all.
     Returns:
         ``((chosen_ids, chosen_labels), (rejected_ids, rejected_labels))`` int32, each ``[<= seq_length]``, or
-        None when a response is left without targets (counted in ``stats``).
+        None when a response has or is left without targets (counted in ``stats``).
     Raises:
         ValueError: unknown ``truncation_mode`` or ``max_prompt_length`` not in ``[1, seq_length)``
             (naming ``<key>.truncation_mode`` / ``<key>.max_prompt_length``).
@@ -119,6 +147,9 @@ def prepare_pair(pair: EncodedPair, seq_length: int, max_prompt_length: int, tru
                          f"{seq_length})")
     stats.num_records += 1
     prompt_ids = pair.prompt.input_ids
+    if not all(_has_target(r.target_mask, prompt_ids.shape[0] > 0) for r in (pair.chosen, pair.rejected)):
+        stats.count_empty(where)
+        return None
     longest = max(pair.chosen.input_ids.shape[0], pair.rejected.input_ids.shape[0])
     budget = None
     if prompt_ids.shape[0] + longest > seq_length:
