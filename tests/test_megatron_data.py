@@ -321,3 +321,31 @@ def test_nxdt_megatron_examples_have_no_data_problems(name: str) -> None:
     cfg = load_config(raw)
     assert cfg.async_exec_max_inflight_requests in (5, 7)  # NxDT's 'aync_' spelling
     assert [p for p in unsupported_features(cfg) if "data." in p or "token_shuffle" in p] == []
+
+
+@pytest.mark.parametrize("bad", ["json", "latin-1", "field"])
+def test_preprocessing_errors_name_file_line_and_leave_no_partial_output(gpt2_files: tuple[str, str],
+                                                                         tmp_path: Path, bad: str,
+                                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """A bad line 301 (after a batch was written): the error names file:line and the fix; no .bin / .idx (or
+    temporary file) is left, and a good output of an earlier run under the same prefix is kept as it was
+    (issue 40, item 9)."""
+    vocab, merges = gpt2_files
+    tok_args = ["--library", "megatron", "--type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges]
+    good = tmp_path / "good.jsonl"
+    good.write_text("".join(json.dumps({"text": f"the lazy dog {i}"}) + "\n" for i in range(300)))
+    out = tmp_path / "out"
+    out.mkdir()
+    assert mi.main(["--input", str(good), "--output-prefix", str(out / "kept"), *tok_args]) == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    line = {"json": b'{"text": "fox" "dog"}\n', "latin-1": '{"text": "caf\xe9"}\n'.encode("latin-1"),
+            "field": b'{"body": "fox"}\n'}[bad]
+    data = tmp_path / "in.jsonl"
+    data.write_bytes(good.read_bytes() + line)
+    for prefix in ("kept", "fresh"):
+        capsys.readouterr()
+        assert mi.main(["--input", str(data), "--output-prefix", str(out / prefix), *tok_args]) == 2
+        err = capsys.readouterr().err
+        assert f"{data}:301" in err, err
+        assert {"json": "not valid JSON", "latin-1": "UTF-8", "field": "no string field 'text'"}[bad] in err, err
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing new, the good output intact

@@ -41,12 +41,14 @@ import json
 import os
 import struct
 import sys
+import uuid
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import Any
 
 import numpy as np
 
+from nxd_lc.config.input_files import iter_text_lines, parse_json
 from nxd_lc.runtime.files import file_digest
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
@@ -253,6 +255,10 @@ class IndexedDatasetWriter:
     """Writes ``<prefix>.bin`` while sequences are added and ``<prefix>.idx`` on :meth:`finalize` (or on leaving a
     ``with`` block without an exception).
 
+    Both are written under temporary names beside the outputs and renamed into place by :meth:`finalize`; leaving
+    the ``with`` block with an exception (or :meth:`abort`) removes them, so a failed run leaves no partial file and
+    never touches an earlier output of the same prefix.
+
     Args:
         prefix: output path without suffix (its directory is created).
         dtype: token dtype; an integer one of :data:`DTYPE_CODES` (see :func:`token_dtype`).
@@ -266,7 +272,8 @@ class IndexedDatasetWriter:
             raise ValueError(f"dtype {self.dtype} is not a Megatron token dtype; use one of "
                              f"{[np.dtype(t).name for t in DTYPE_CODES.values() if np.dtype(t).kind != 'f']}")
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
-        self._bin = open(data_path(prefix), "wb")
+        self._tmp = f".tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        self._bin = open(data_path(prefix) + self._tmp, "wb")
         self.sizes: list[int] = []
         self.document_indices: list[int] = [0]
 
@@ -288,14 +295,30 @@ class IndexedDatasetWriter:
         self.add_sequence(tokens)
         self.end_document()
 
+    def abort(self) -> None:
+        """Close and remove the temporary files; the outputs (and any earlier ones) are left as they were."""
+        self._bin.close()
+        for path in (data_path(self.prefix) + self._tmp, index_path(self.prefix) + self._tmp):
+            if os.path.exists(path):
+                os.remove(path)
+
     def finalize(self) -> None:
-        """Close ``.bin`` and write ``.idx``."""
+        """Close ``.bin``, write ``.idx`` and rename both into place (``.bin`` first)."""
+        try:
+            self._write_index()
+        except BaseException:
+            self.abort()
+            raise
+        os.replace(data_path(self.prefix) + self._tmp, data_path(self.prefix))
+        os.replace(index_path(self.prefix) + self._tmp, index_path(self.prefix))
+
+    def _write_index(self) -> None:
         self._bin.close()
         sizes = np.asarray(self.sizes, dtype=np.int32)
         pointers = np.zeros(len(sizes), dtype=np.int64)
         if len(sizes):
             pointers[1:] = np.cumsum(sizes[:-1].astype(np.int64)) * self.dtype.itemsize
-        with open(index_path(self.prefix), "wb") as f:
+        with open(index_path(self.prefix) + self._tmp, "wb") as f:
             f.write(INDEX_HEADER)
             f.write(struct.pack("<QBQQ", INDEX_VERSION, _CODE_OF[self.dtype], len(sizes),
                                 len(self.document_indices)))
@@ -311,7 +334,7 @@ class IndexedDatasetWriter:
         if exc_type is None:
             self.finalize()
         else:
-            self._bin.close()
+            self.abort()
 
 
 def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int] | np.ndarray],
@@ -323,18 +346,24 @@ def write_indexed_dataset(prefix: str, documents: Iterable[Sequence[int] | np.nd
 
 
 def _batches(path: str, json_key: str, batch_size: int) -> Iterable[list[str]]:
+    """The ``json_key`` texts of the .jsonl ``path`` in batches; errors name ``path:line`` and the fix."""
     batch: list[str] = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            record = json.loads(line)
-            if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
-                raise ValueError(f"--json-key: line {lineno} of {path} has no string field {json_key!r}")
-            batch.append(record[json_key])
-            if len(batch) == batch_size:
-                yield batch
-                batch = []
+    for lineno, line in iter_text_lines(path, key="--input"):
+        if not line.strip():
+            continue
+        try:
+            record = parse_json(line, path, line=lineno, key="--input")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--input: {path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); the input "
+                             "holds one JSON object per line: fix or remove that line") from None
+        if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
+            raise ValueError(f"--json-key: {path}:{lineno} has no string field {json_key!r} (found "
+                             f"{sorted(record) if isinstance(record, dict) else type(record).__name__}); give "
+                             "--json-key the field that holds the text, or fix that line")
+        batch.append(record[json_key])
+        if len(batch) == batch_size:
+            yield batch
+            batch = []
     if batch:
         yield batch
 
