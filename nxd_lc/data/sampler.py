@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from nxd_lc.config.errors import ConfigError
+
 
 class PretrainingSampler:
     """Batch sampler yielding this DP rank's micro-batches of dataset indices.
@@ -43,7 +45,9 @@ class PretrainingSampler:
         ``list[int]`` of length M.
     Raises:
         ValueError: non-positive sizes, rank out of range, ``global_batch_size`` not a multiple of ``M * D``,
-            a dataset smaller than one global step, or ``consumed_samples`` not on a step boundary.
+            or ``consumed_samples`` not on a step boundary.
+        ConfigError: a dataset smaller than one global step (names ``data.global_batch_size`` and the bound; the
+            launch prints it: the size of tokenized text is known only once it is built).
     """
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
@@ -61,8 +65,12 @@ class PretrainingSampler:
                              f"{self.step_size}")
         self.samples_per_epoch = (total_samples // unit) * unit
         if self.samples_per_epoch == 0:
-            raise ValueError(f"the dataset has {total_samples} samples, fewer than one global batch ({unit}); "
-                             "add data, lower data.seq_length or lower data.global_batch_size")
+            fits = total_samples // self.step_size * self.step_size
+            fix = (f"lower data.global_batch_size to at most {fits} (a multiple of micro_batch_size x DP = "
+                   f"{self.step_size}), add data or lower data.seq_length" if fits else
+                   f"it holds fewer than micro_batch_size x DP = {self.step_size}: add data or lower data.seq_length")
+            raise ConfigError([f"data.global_batch_size: the dataset has {total_samples} samples, fewer than one "
+                               f"global batch ({unit}); {fix}"])
         if consumed_samples < 0 or consumed_samples % self.step_size != 0:
             raise ValueError(f"consumed_samples {consumed_samples} must be a non-negative multiple of "
                              f"micro_batch_size x DP = {self.step_size}")

@@ -23,10 +23,11 @@ from nxd_lc.app.validation.data import (
     data_source_problems,
     data_unsupported,
     mixture_problems,
-    path_problems,
     sft_style_problems,
 )
-from nxd_lc.app.validation.memory import estimate_memory, memory_estimate_problems, position_problems
+from nxd_lc.app.validation.data import path_problems as input_path_problems
+from nxd_lc.app.validation.memory import estimate_memory, position_problems
+from nxd_lc.app.validation.memory_judgement import memory_estimate_problems
 from nxd_lc.app.validation.model import (
     family_problems,
     fusion_config_problems,
@@ -40,6 +41,7 @@ from nxd_lc.app.validation.parallel import (
     parallel_problems,
     pipeline_problems,
 )
+from nxd_lc.app.validation.resources import dataset_size_problems, num_workers_problems, run_dir_problems
 from nxd_lc.app.validation.training import checkpoint_problems, choice_problems, trainer_problems
 from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import NxdConfig
@@ -84,7 +86,8 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
                 + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
                 + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
                 + family_problems(cfg, hf) + sft_style_problems(cfg) + fusion_config_problems(cfg)
-                + position_problems(cfg, hf))
+                + position_problems(cfg, hf) + num_workers_problems(cfg)
+                + dataset_size_problems(cfg))
     if problems:  # the memory estimate needs sizes every other rule has accepted
         return problems
     try:
@@ -94,6 +97,13 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
     for warning in warnings:
         log.warning("%s", warning)
     return problems
+
+
+def path_problems(cfg: NxdConfig) -> list[str]:
+    """What must exist or be writable at launch (``load_config(check_paths=True)``; the dry run lists them): the
+    input paths (:func:`nxd_lc.app.validation.data.path_problems`) and the run directory
+    (:func:`nxd_lc.app.validation.resources.run_dir_problems`)."""
+    return input_path_problems(cfg) + run_dir_problems(cfg)
 
 
 def memory_report(cfg: NxdConfig) -> list[str]:

@@ -67,8 +67,8 @@ from nxd_lc.models.common.memory_plan import (
 )
 
 __all__ = ["NEURON_HBM_PER_CORE", "WARN_FRACTION", "Architecture", "MemoryEstimate", "architecture", "device_memory",
-           "estimate_memory", "memory_estimate_problems", "neuron_core_memory", "optimizer_state_bytes",
-           "position_problems", "rank_tensors"]
+           "estimate_memory", "layer_kinds", "neuron_core_memory", "optimizer_state_bytes",
+           "position_problems", "rank_tensors", "size_text", "state_bytes"]
 
 #: above this share of the device's memory the estimate is a warning (above 1: a config error)
 WARN_FRACTION = 0.9
@@ -159,18 +159,18 @@ class MemoryEstimate:
                  ("optimizer step buffers", self.step_buffers), ("activations", self.activations),
                  ("reference model", self.reference)]
         where = f" (pipeline rank {self.pipeline_rank}, the largest)" if self.pipeline_rank else ""
-        lines = [f"memory estimate per rank{where}: {_size(self.total)} = "
-                 + " + ".join(f"{name} {_size(b)}" for name, b in parts if b)]
+        lines = [f"memory estimate per rank{where}: {size_text(self.total)} = "
+                 + " + ".join(f"{name} {size_text(b)}" for name, b in parts if b)]
         if self.device_bytes:
             lines.append(f"  {100 * self.total / self.device_bytes:.0f}% of {self.device} "
-                         f"({_size(self.device_bytes)} per rank)")
+                         f"({size_text(self.device_bytes)} per rank)")
         else:
             lines.append(f"  device memory unknown ({self.device}): not judged")
         return lines + [f"  {n}" for n in self.notes]
 
 
-def _size(n: int) -> str:
-    """Bytes in GiB (MiB below 1 GiB), for messages."""
+def size_text(n: int) -> str:
+    """``n`` bytes in GiB (MiB below 1 GiB), for messages."""
     return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
 
 
@@ -249,7 +249,8 @@ class _Attrs:
         self.__dict__.update(d)
 
 
-def _layer_tensors(a: Architecture, cfg: NxdConfig, index: int, tp: int, ep: int) -> list[_Tensor]:
+def _layer_tensors(a: Architecture, cfg: NxdConfig, moe: bool, tp: int, ep: int) -> list[_Tensor]:
+    """The parameters of one decoder layer on this rank: a mixture-of-experts layer when ``moe``, else dense."""
     ds, h, hd = cfg.distributed_strategy, a.hidden, a.head_dim
     norm = [_Tensor((h,))] + ([_Tensor((h,))] if a.norm_bias else [])
     kv_local = a.kv_heads * (ds.kv_replicator if a.kv_heads < tp else 1) // tp
@@ -263,7 +264,7 @@ def _layer_tensors(a: Architecture, cfg: NxdConfig, index: int, tp: int, ep: int
     out += [_Tensor((h, q_rows))] + ([_Tensor((h,))] if a.o_bias else [])
     out += [_Tensor((hd,)), _Tensor((hd,))] if a.qk_norm else []
     i_local = a.intermediate // tp
-    if a.experts and index % a.moe_frequency == 0:
+    if moe:
         e = a.experts // ep
         return out + [_Tensor((a.experts, h), fp32=True), _Tensor((e, 2 * i_local, h), expert=True),
                       _Tensor((e, h, i_local), expert=True)]
@@ -290,29 +291,47 @@ def _lora(tensors: list[_Tensor], a: Architecture, cfg: NxdConfig, tp: int, laye
     return frozen + adapters
 
 
-def _rank_part(a: Architecture, cfg: NxdConfig, pipeline_rank: int) -> tuple[list[int], bool, bool]:
-    """``(decoder layers, holds the embedding, holds the head)`` of pipeline rank ``pipeline_rank``."""
+def _rank_part(a: Architecture, cfg: NxdConfig, pipeline_rank: int) -> tuple[list[range], bool, bool]:
+    """``(the decoder-layer ranges of the rank's stages, holds the embedding, holds the head)`` of pipeline rank
+    ``pipeline_rank`` (:func:`nxd_lc.pipeline.rank_model_part`'s split, as ranges: never enumerated).
+
+    Raises:
+        ValueError: a pipeline split that cannot be made (:func:`nxd_lc.pipeline.stage_layer_ranges`).
+    """
     ds = cfg.distributed_strategy
     if ds.pipeline_model_parallel_size == 1:
-        return list(range(a.layers)), True, True
-    from nxd_lc.pipeline import rank_model_part
+        return [range(a.layers)], True, True
+    from nxd_lc.pipeline import stage_layer_ranges, stages_of_rank
 
-    part = rank_model_part(a.layers, ds.pipeline_model_parallel_size, pipeline_rank,
-                           ds.virtual_pipeline_model_parallel_size, cfg.model.pipeline_cuts)
-    return list(part["keep_layers"]), bool(part["keep_embedding"]), bool(part["keep_head"])  # type: ignore[arg-type]
+    ranges = stage_layer_ranges(a.layers, ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size,
+                                cfg.model.pipeline_cuts)
+    stages = stages_of_rank(pipeline_rank, ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size)
+    return [ranges[s] for s in stages], 0 in stages, len(ranges) - 1 in stages
+
+
+def layer_kinds(a: Architecture, ranges: list[range]) -> list[tuple[bool, int]]:
+    """``[(moe, number of layers)]`` of the decoder layers in ``ranges``: the MoE layers are those whose index is a
+    multiple of ``model.moe.frequency`` (:class:`~nxd_lc.moe.config`), counted in closed form, so the estimate's
+    cost does not depend on the layer count (issue 40: 10^7 layers took gigabytes when enumerated)."""
+    total = sum(len(r) for r in ranges)
+    f = a.moe_frequency
+    moe = sum(-(-r.stop // f) - -(-r.start // f) for r in ranges if len(r)) if a.experts else 0
+    return [(kind, n) for kind, n in ((True, moe), (False, total - moe)) if n]
 
 
 def rank_tensors(a: Architecture, cfg: NxdConfig, pipeline_rank: int = 0) -> list[_Tensor]:
-    """The parameters one rank of pipeline rank ``pipeline_rank`` holds (module docstring).
+    """The parameters one rank of pipeline rank ``pipeline_rank`` holds (module docstring), the decoder layers'
+    per layer kind with their ``count`` (:func:`layer_kinds`).
 
     Raises:
         ValueError: a pipeline split that cannot be made (:func:`nxd_lc.pipeline.rank_model_part`).
     """
     ds = cfg.distributed_strategy
     tp, ep = ds.tensor_model_parallel_size, ds.expert_model_parallel_size
-    layers, embedding, head = _rank_part(a, cfg, pipeline_rank)
-    out = [t for i in layers for t in _layer_tensors(a, cfg, i, tp, ep)]
-    out = _lora(out, a, cfg, tp, len(layers))
+    ranges, embedding, head = _rank_part(a, cfg, pipeline_rank)
+    out = [dataclasses.replace(t, count=t.count * n) for moe, n in layer_kinds(a, ranges)
+           for t in _layer_tensors(a, cfg, moe, tp, ep)]
+    out = _lora(out, a, cfg, tp, sum(len(r) for r in ranges))
     frozen = not (cfg.model_alignment_strategy is not None and cfg.model_alignment_strategy.peft is not None)
     if a.vocab_size is not None:
         mult = tp * a.vocab_multiple
@@ -357,8 +376,9 @@ def _zero1_share(cfg: NxdConfig, expert: bool) -> int:
     return max(1, dp_cp // ds.expert_model_parallel_size) if expert else dp_cp
 
 
-def _state_bytes(tensors: list[_Tensor], cfg: NxdConfig) -> tuple[int, int, int, int, int]:
-    """``(parameters, gradients, optimizer state, master weights, step buffers)`` bytes of ``tensors``."""
+def state_bytes(tensors: list[_Tensor], cfg: NxdConfig) -> tuple[int, int, int, int, int]:
+    """``(parameters, gradients, optimizer state, master weights, step buffers)`` bytes of ``tensors`` (one rank's,
+    :func:`rank_tensors`) under the run's precision mode, optimizer and ZeRO-1 (module docstring)."""
     from nxd_lc.precision.policy import resolve_precision
 
     policy = resolve_precision(cfg)
@@ -438,9 +458,9 @@ def _rank_activations(a: Architecture, cfg: NxdConfig, pipeline_rank: int,
     each stage ``k`` of the rank (the same at ``V = 1``)."""
     ds = cfg.distributed_strategy
     pp, virtual = ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size
-    layers, _, head = _rank_part(a, cfg, pipeline_rank)
+    ranges, _, head = _rank_part(a, cfg, pipeline_rank)
     if pp == 1 or virtual == 1 or not _runs_lockstep(cfg):
-        kept, once, note = _activation_split(a, cfg, len(layers), head)
+        kept, once, note = _activation_split(a, cfg, sum(len(r) for r in ranges), head)
         return (min(num_micro, pp - pipeline_rank) if pp > 1 else 1) * kept + once, note
     from nxd_lc.pipeline import stage_layer_ranges, stages_of_rank
     from nxd_lc.pipeline.lockstep import lockstep_in_flight
@@ -505,7 +525,7 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
         "the vocabulary is the tokenizer's (not read before launch): embedding and lm head not counted"]
     for rank in range(pp):
         tensors = rank_tensors(a, cfg, rank)
-        params, grads, state, master, step = _state_bytes(tensors, cfg)
+        params, grads, state, master, step = state_bytes(tensors, cfg)
         acts, note = _rank_activations(a, cfg, rank, mbs)
         dpo = cfg.model_alignment_strategy.dpo if cfg.model_alignment_strategy is not None else None
         reference = params if dpo is not None and not dpo.precompute_ref_log_probs else 0
@@ -514,35 +534,3 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
         if best is None or est.total > best.total:
             best = est
     return best
-
-
-def _keys_to_change(cfg: NxdConfig, est: MemoryEstimate) -> list[str]:
-    """The keys that lower the estimate, the largest part's first (``data.micro_batch_size`` only above 1)."""
-    ds, m = cfg.distributed_strategy, cfg.model
-    model_keys = ["distributed_strategy.tensor_model_parallel_size",
-                  "distributed_strategy.pipeline_model_parallel_size"]
-    if not ds.zero1:
-        model_keys.append("distributed_strategy.zero1")
-    act_keys = (["data.micro_batch_size"] if cfg.data.micro_batch_size > 1 else []) + ["data.seq_length"]
-    if m.activations_memory_budget is None and (m.activations_checkpoint_granularity != "full"
-                                                or m.activations_checkpoint_method == "block"):
-        act_keys.append("model.activations_checkpoint_granularity")
-    act_keys.append("distributed_strategy.context_parallel_size")
-    return act_keys + model_keys if est.activations > est.total - est.activations else model_keys + act_keys
-
-
-def memory_estimate_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
-    """``(problems, warnings)`` of the memory estimate of a config that passed every other rule: a problem when it
-    exceeds the device's memory, a warning above :data:`WARN_FRACTION` of it; each names the keys to change,
-    the largest part's first."""
-    est = estimate_memory(cfg, hf)
-    if est is None or not est.device_bytes:
-        return [], []
-    share = est.total / est.device_bytes
-    if share <= WARN_FRACTION:
-        return [], []
-    keys = _keys_to_change(cfg, est)
-    text = (f"{keys[0]}: the estimated memory per rank, {est.describe()[0].split(': ', 1)[1]}, is "
-            f"{100 * share:.0f}% of {est.device} ({_size(est.device_bytes)} per rank); change {', '.join(keys)}")
-    return ([text], []) if share > 1 else ([], [text + " (above 90%: allocator and runtime overheads are not "
-                                                  "counted)"])
