@@ -150,7 +150,40 @@ def test_tokenizer_directory_with_custom_code_is_refused_and_its_code_never_runs
     config = json.loads(config_path.read_text())
     config["auto_map"] = {"AutoTokenizer": [None, "custom_tok.CustomTok"]}
     config_path.write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=r"data\.tokenizer\.type: .*tokenizer_config\.json maps classes to Python "
-                                         r"code .*auto_map.*never runs code"):
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.type: .*tokenizer_config\.json maps AutoTokenizer to "
+                                         r"Python code .*auto_map.*never runs code"):
         load_tokenizer(TokenizerConfig(type=str(tok_dir)), None)
     assert not marker.exists()
+
+
+MODEL_AUTO_MAP = {"AutoConfig": "modeling_x.XConfig", "AutoModel": "modeling_x.XModel",
+                  "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+
+
+@pytest.mark.parametrize("where", ["config.json", "tokenizer_config.json"])
+def test_model_only_auto_map_next_to_a_standard_tokenizer_loads(tmp_path: Path, where: str) -> None:
+    """auto_map entries for model classes run no code for the tokenizer (transformers loads it with
+    trust_remote_code=False): the tokenizer loads, and the model code is never run (issue 40, item 10)."""
+    tok_dir = tmp_path / "tok"
+    trained = train_bytelevel_bpe(["a text to learn a few merges from"] * 20, 300)
+    trained.save_pretrained(tok_dir)
+    marker = tmp_path / "code_ran"
+    (tok_dir / "modeling_x.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (tok_dir / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 300}))
+    path = tok_dir / where
+    record = json.loads(path.read_text())
+    record["auto_map"] = MODEL_AUTO_MAP
+    path.write_text(json.dumps(record))
+    loaded = load_tokenizer(TokenizerConfig(type=str(tok_dir)), None)
+    assert loaded.get_vocab() == trained.get_vocab() and loaded.eos_token == trained.eos_token
+    assert not marker.exists()
+
+
+def test_auto_tokenizer_entry_in_config_json_is_refused(tmp_path: Path) -> None:
+    tok_dir = tmp_path / "tok"
+    train_bytelevel_bpe(["a text to learn a few merges from"] * 20, 300).save_pretrained(tok_dir)
+    (tok_dir / "config.json").write_text(json.dumps({"model_type": "llama", "auto_map": {
+        **MODEL_AUTO_MAP, "AutoTokenizer": ["tokenization_x.XTokenizer", None]}}))
+    with pytest.raises(ValueError, match=r"data\.tokenizer\.type: .*config\.json maps AutoTokenizer to Python code "
+                                         r"in the directory \(auto_map\['AutoTokenizer'\]: \['tokenization_x"):
+        load_tokenizer(TokenizerConfig(type=str(tok_dir)), None)

@@ -229,7 +229,7 @@ def _train_and_save(tok_cfg: TokenizerConfig, train_texts_fn: Callable[[], Itera
              time.perf_counter() - start)
 
 
-#: files of an HF model / tokenizer directory whose ``auto_map`` points transformers at Python code in the directory
+#: files of an HF tokenizer directory whose ``auto_map`` can point AutoTokenizer at Python code in the directory
 _CODE_MAP_FILES = ("tokenizer_config.json", "config.json")
 #: JSON / text files of an HF tokenizer directory that transformers or tokenizers read (checked first, see
 #: :func:`check_tokenizer_files`)
@@ -310,18 +310,30 @@ def _tokenizer_config_problem(config: Any) -> str | None:
     return None
 
 
+def _tokenizer_code_map(name: str, record: Any) -> Any:
+    """The ``auto_map`` entry of a parsed ``tokenizer_config.json`` / ``config.json`` that maps AutoTokenizer to code
+    in the directory (None: none). ``tokenizer_config.json`` may hold the older form, a bare ``[slow, fast]`` list."""
+    auto_map = record.get("auto_map") if isinstance(record, dict) else None
+    if isinstance(auto_map, dict):
+        return auto_map.get("AutoTokenizer") or None
+    if name == "tokenizer_config.json" and isinstance(auto_map, (list, tuple)) and any(auto_map):
+        return auto_map
+    return None
+
+
 def refuse_remote_code(directory: str, key: str, parsed: dict[str, Any] | None = None) -> None:
-    """Raise when ``directory`` asks transformers to run its own Python code (an ``auto_map`` entry in
-    ``tokenizer_config.json`` or ``config.json``): nxd_lc never runs code from a model directory. Every load also
-    passes ``trust_remote_code=False``, so such a directory can never prompt on the terminal or run its code.
+    """Raise when ``directory``'s tokenizer is Python code in the directory: an ``auto_map`` entry for
+    ``AutoTokenizer`` in ``tokenizer_config.json`` or ``config.json``. nxd_lc never runs code from a model directory;
+    every load passes ``trust_remote_code=False``, so transformers would load a built-in class in its place, which
+    is not the tokenizer the directory defines. Entries for model classes (``AutoConfig``, ``AutoModel...``) are
+    allowed: they run no code for the tokenizer, and nxd_lc builds its model from config.json's fields.
 
     Args:
-        directory: the tokenizer / model directory.
+        directory: the tokenizer directory.
         key: config key naming it.
         parsed: the files already read by :func:`check_tokenizer_files` (None: read them here).
     Raises:
-        ValueError: naming ``key``, the file and the classes it maps; or a damaged file (as
-            :func:`check_tokenizer_files`).
+        ValueError: naming ``key``, the file and the entry; or a damaged file (as :func:`check_tokenizer_files`).
     """
     for name in _CODE_MAP_FILES:
         path = os.path.join(directory, name)
@@ -331,10 +343,12 @@ def refuse_remote_code(directory: str, key: str, parsed: dict[str, Any] | None =
             record = _json_file(path, key)
         else:
             continue
-        if isinstance(record, dict) and record.get("auto_map"):
-            raise ValueError(f"{key}: {path} maps classes to Python code in the directory (auto_map: "
-                             f"{record['auto_map']}); nxd_lc never runs code from a model directory: use a "
-                             "tokenizer / model of a built-in type (a fast tokenizer.json)")
+        entry = _tokenizer_code_map(name, record)
+        if entry is not None:
+            raise ValueError(f"{key}: {path} maps AutoTokenizer to Python code in the directory "
+                             f"(auto_map['AutoTokenizer']: {entry}); nxd_lc never runs code from a model directory: "
+                             "use a tokenizer of a built-in type (a fast tokenizer.json with a standard "
+                             "tokenizer_class)")
 
 
 def _present_files(directory: str, parsed: dict[str, Any]) -> str:
