@@ -83,7 +83,8 @@ def writable_dir_problem(key: str, path: str, what: str = "the run directory") -
             pass
     except OSError as e:
         where = "" if probe == path else f" (its nearest existing parent {probe})"
-        return (f"{key}: {what} {path} is not writable{where}: {e.strerror or e}; choose a writable "
+        return (f"{key}: {what} {path} is not writable{where}: creating a file there fails "
+                f"({e.strerror or e}); choose a writable "
                 f"directory (the run writes its lock, logs and checkpoints there)")
     return None
 
