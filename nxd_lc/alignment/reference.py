@@ -395,24 +395,28 @@ def _read_cache(path: str, fingerprint: str, sizes: dict[str, int]) -> tuple[Opt
     size = os.path.getsize(path)
     limit = 4 * len(REFERENCE_COLUMNS) * sum(sizes.values()) + _CACHE_SLACK_BYTES
     if size > limit:  # before anything is read: a cache of these sizes is never larger
-        return None, f"it is {size} bytes, a cache of {sum(sizes.values())} pairs is at most {limit}"
+        return None, f"it is damaged: it is {size} bytes, a cache of {sum(sizes.values())} pairs is at most {limit}"
     try:
         payload = safe_torch_load(path)
     except UnsafeCheckpointError as e:
         if e.refused:  # a named global: code planted in the file, not damage; stop and say so
             raise
-        return None, f"it cannot be read ({e})"
+        # no global named: bytes the unpickler cannot read, i.e. damage; the error's own advice (full unpickling)
+        # is for trusted files of other types and never fits a damaged cache, so only its detail is kept
+        detail = str(e).rpartition("Detail: ")[2]
+        return None, f"it is damaged: it cannot be read as a cache ({detail[:200]})"
     except Exception as e:  # noqa: BLE001 - torch.load raises RuntimeError / UnpicklingError / EOFError / KeyError
-        return None, f"it cannot be read ({type(e).__name__}: {str(e)[:200]})"
+        return None, f"it is damaged: it cannot be read ({type(e).__name__}: {str(e)[:200]})"
     if not isinstance(payload, dict) or not isinstance(payload.get("tables"), dict):
-        return None, "it does not hold a dict with a 'tables' dict"
+        return None, "it is damaged: it does not hold a dict with a 'tables' dict"
     got = payload["tables"]
     if payload.get("fingerprint") != fingerprint or set(got) != set(sizes):
-        return None, f"it does not match this run (key, or splits {sorted(map(str, got))} vs {sorted(sizes)})"
+        return None, (f"it is from another run: it does not match this run (key, or splits "
+                      f"{sorted(map(str, got))} vs {sorted(sizes)})")
     for name, rows in sizes.items():
         problem = _table_problem(name, got[name], rows)
         if problem:
-            return None, problem
+            return None, f"it is damaged: {problem}"
     return {k: got[k].float() for k in sizes}, ""
 
 
@@ -434,10 +438,10 @@ def load_reference_tables(path: str, fingerprint: str, sizes: dict[str, int],
         try:
             tables, why = _read_cache(path, fingerprint, sizes)
         except OSError as e:
-            tables, why = None, f"it cannot be read ({e})"
+            tables, why = None, f"it is damaged: it cannot be read ({e})"
         if tables is None:
-            log.warning("reference log-probs: the cache %s is not used: %s; recomputing the reference log-probs "
-                        "(the file is rewritten)", path, why)
+            log.warning("reference log-probs: the cache %s is not used: %s; the reference log-probs will be "
+                        "recomputed and the file rewritten", path, why)
     if not _all_ranks_true(tables is not None, device):
         return None
     return tables
