@@ -22,8 +22,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LONG_MODULES = {
     "nxd_lc/checkpoint/sharded.py": "the NxD checkpoint layout: save, load, staging, atomic publish and retention of "
                                     "one on-disk format, every function operating on the same file tree",
-    "nxd_lc/models/llama/hf_adapter.py": "the HF <-> nxd_lc name and shard mapping of every decoder family, one table "
-                                         "read in both directions (import and export must stay in step)",
 }
 MAX_LINES = 600
 

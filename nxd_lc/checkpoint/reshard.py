@@ -6,9 +6,9 @@ sizes, every rank rebuilds its own shards from the saved ones, offline (no colle
 tensors:
 
 1. read the saved model shards of every (TP rank, stage) and keep the parameters of this rank's stage;
-2. merge the saved TP shards into full tensors (:func:`nxd_lc.models.llama.hf_adapter.merge_tp_shards`: the
+2. merge the saved TP shards into full tensors (:func:`nxd_lc.models.llama.hf_reshard.merge_tp_shards`: the
    inverse of the loader at the saved TP size and ``kv_replicator``);
-3. slice them for this rank with the loader itself (:func:`nxd_lc.models.llama.hf_adapter.shard_full_tensors`).
+3. slice them for this rank with the loader itself (:func:`nxd_lc.models.llama.hf_reshard.shard_full_tensors`).
 
 Optimizer state takes the same path per state tensor: each parameter's moments (``exp_avg``, ``exp_avg_sq``, ...)
 and fp32 master weight are parameter-shaped (or, under ZeRO-1, flat slices of the parameter laid end to end over
@@ -156,7 +156,7 @@ def reshard_model_state(model: Any, template: Mapping[str, torch.Tensor], tag_di
         ValueError: a LoRA model, a non-Llama model, or a saved tensor that does not fit this run's model config
             (names the key and the checkpoint).
     """
-    from nxd_lc.models.llama.hf_adapter import FullTensors, merge_tp_shards, shard_full_tensors
+    from nxd_lc.models.llama.hf_reshard import FullTensors, merge_tp_shards, shard_full_tensors
 
     names = {k[len(prefix):] for k in template if k.startswith(prefix)}
     _check_supported(model, names, tag_dir)
@@ -301,7 +301,7 @@ def reshard_optimizer_state(model: Any, optimizer: Any, tag_dir: str, *, use_xse
         ValueError: no optimizer shards; a state that is not parameter-shaped; no parameter names recorded; a
             parameter of this run without saved state while others have some (config differs).
     """
-    from nxd_lc.models.llama.hf_adapter import FullTensors, merge_tp_shards, shard_full_tensors
+    from nxd_lc.models.llama.hf_reshard import FullTensors, merge_tp_shards, shard_full_tensors
 
     layout = saved_layout(tag_dir)
     if layout.optim_dp == 0:
