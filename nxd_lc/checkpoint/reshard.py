@@ -39,6 +39,8 @@ import torch
 import torch.nn.functional as F
 
 from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint.layout import ranks_found
+from nxd_lc.checkpoint.load import detect_xser, read_shard
 
 log = logging.getLogger(__name__)
 
@@ -72,7 +74,7 @@ def saved_layout(tag_dir: str) -> SavedLayout:
         FileNotFoundError: no model shards, or a (TP, PP) model shard is missing (incomplete checkpoint).
     """
     folder = os.path.join(tag_dir, sharded.MODEL_DIR)
-    _, tps, pps = sharded._ranks_found(folder)
+    _, tps, pps = ranks_found(folder)
     if not tps:
         raise FileNotFoundError(f"checkpoint {tag_dir} has no model shards in {sharded.MODEL_DIR}/ "
                                 "(dp_rank_00_tp_rank_XX_pp_rank_XX.pt)")
@@ -85,13 +87,13 @@ def saved_layout(tag_dir: str) -> SavedLayout:
         what = "(TP rank, PP rank)" if eps == set() else "(EP rank, TP rank, PP rank)"
         raise FileNotFoundError(f"checkpoint {tag_dir} is incomplete: model shards of {what} {missing}"
                                 f" (of TP size {tp}, PP size {pp}) are missing")
-    dps, _, _ = sharded._ranks_found(os.path.join(tag_dir, sharded.OPTIM_DIR))
+    dps, _, _ = ranks_found(os.path.join(tag_dir, sharded.OPTIM_DIR))
     return SavedLayout(tp=tp, pp=pp, optim_dp=max(dps) + 1 if dps else 0, ep=len(ep_ranks))
 
 
 def _read(tag_dir: str, sub: str, dp: int, tp: int, pp: int, xser: bool) -> Any:
     path = os.path.join(tag_dir, sub, sharded.checkpoint_file_name(dp, tp, pp))
-    return sharded._read_shard(path, tag_dir, xser)
+    return read_shard(path, tag_dir, xser)
 
 
 def _strip(state: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
@@ -161,7 +163,7 @@ def reshard_model_state(model: Any, template: Mapping[str, torch.Tensor], tag_di
     names = {k[len(prefix):] for k in template if k.startswith(prefix)}
     _check_supported(model, names, tag_dir)
     layout = saved_layout(tag_dir)
-    xser = sharded._detect_xser(tag_dir, use_xser)
+    xser = detect_xser(tag_dir, use_xser)
     shards = _model_shards(tag_dir, layout, _wanted(model, names), xser)
     local = shard_full_tensors(model, FullTensors(merge_tp_shards(model, shards, tag_dir), tag_dir))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
@@ -307,7 +309,7 @@ def reshard_optimizer_state(model: Any, optimizer: Any, tag_dir: str, *, use_xse
     if layout.optim_dp == 0:
         raise ValueError(f"checkpoint {tag_dir} has no optimizer state ({sharded.OPTIM_DIR}/); load it with "
                          "model.weight_init_only: true")
-    xser = sharded._detect_xser(tag_dir, use_xser)
+    xser = detect_xser(tag_dir, use_xser)
     template = optimizer.state_dict()
     names = _names_by_index(template, "this run's optimizer")
     _check_supported(model, names.values(), tag_dir)
