@@ -11,6 +11,11 @@ whole model (:func:`~nxd_lc.app.validation.memory.rank_tensors` at TP = PP = EP 
 ``trainer.devices x trainer.num_nodes`` ranks, exceed one rank's device memory. That is a lower bound of what any
 layout needs per rank (activations not counted), so no parallel size, micro batch or sequence length fixes it. The
 size named is the one whose value contributes most: the bytes the model would lose with that size at 1.
+
+Where the dry run cannot know the run's device (``trainer.accelerator: auto`` off the device, as NxDT's example
+configs are dry-run on a laptop), the layout is not judged, but a model whose state spread over every rank exceeds
+:data:`LARGEST_DEVICE_BYTES` -- more than any device nxd_lc runs on holds -- is still refused: no device and no
+layout trains it, so "valid" would be a broken promise.
 """
 
 from __future__ import annotations
@@ -33,7 +38,13 @@ from nxd_lc.app.validation.memory import (
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import NxdConfig
 
-__all__ = ["memory_estimate_problems", "size_source", "unplaceable_size_problem"]
+__all__ = ["LARGEST_DEVICE_BYTES", "memory_estimate_problems", "size_source", "unplaceable_size_problem"]
+
+#: the most memory one device nxd_lc runs on has (bytes): 288 GB of HBM3e (NVIDIA B300, AMD MI355X; an H200 has
+#: 141 GB, a Trainium2 chip 96 GiB over 8 NeuronCores). The bound for a device the dry run cannot know.
+LARGEST_DEVICE_BYTES = 288 * 10**9
+_LARGEST_DEVICE = ("the most memory any device nxd_lc runs on has (288 GB, NVIDIA B300; the run's device is not "
+                   "known on this host)")
 
 #: :class:`~nxd_lc.app.validation.memory.Architecture` field -> (config.json field, Megatron ``model:`` key)
 _SIZES = {"vocab_size": ("vocab_size", None), "intermediate": ("intermediate_size", "ffn_hidden_size"),
@@ -123,8 +134,12 @@ def memory_estimate_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> tu
     (:func:`unplaceable_size_problem`: config.json's field, or its ``model:``
     key)."""
     est = estimate_memory(cfg, hf)
-    if est is None or not est.device_bytes:
+    if est is None:
         return [], []
+    if not est.device_bytes:  # device unknown: only a model no device and no layout holds is refused
+        a = architecture(cfg, hf)
+        problem = unplaceable_size_problem(cfg, a, LARGEST_DEVICE_BYTES, _LARGEST_DEVICE) if a is not None else None
+        return ([problem] if problem else []), []
     share = est.total / est.device_bytes
     if share <= WARN_FRACTION:
         return [], []
