@@ -204,3 +204,37 @@ def test_tp2_kv_replicated_slice_loading_and_export(tmp_path: Path) -> None:
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     ref = {k: v.to(torch.bfloat16) for k, v in hf.state_dict().items()}
     _assert_same_state(saved, ref)
+
+
+@pytest.mark.parametrize(("tensor", "bad", "dtype"), [
+    ("model.layers.1.mlp.down_proj.weight", float("nan"), torch.float32),
+    ("model.layers.0.self_attn.k_proj.weight", float("-inf"), torch.bfloat16),  # read into the fused q/k/v
+    ("model.embed_tokens.weight", float("inf"), torch.float16),
+])
+def test_non_finite_hf_weights_are_refused_naming_file_and_tensor(tmp_path: Path, tensor: str, bad: float,
+                                                                  dtype: torch.dtype) -> None:
+    """A NaN / inf in an HF checkpoint is refused at load, naming the file and the tensor (issue 40, item 4: it
+    loaded without a word, and the run stopped at step 1 with advice about the data and the learning rate)."""
+    _, ckpt = _hf_model(tmp_path / "hf", num_hidden_layers=2)
+    file = Path(ckpt) / "model.safetensors"
+    state = {k: v.to(dtype) for k, v in load_file(file).items()}
+    state[tensor].view(-1)[7] = bad
+    save_file(state, file, metadata={"format": "pt"})
+    model = LlamaForCausalLM(build_llama_config(ckpt))
+    with pytest.raises(ValueError, match="NaN or infinite") as err:
+        load_hf_weights(model, ckpt)
+    assert repr(tensor) in str(err.value) and str(file) in str(err.value)
+    assert "learning rate" not in str(err.value)
+
+
+def test_non_finite_tensor_without_a_parameter_is_not_read(tmp_path: Path) -> None:
+    """Only the tensors that are loaded are checked: a NaN in a layer beyond ``num_layers`` (skipped, logged) does
+    not stop the load."""
+    _, ckpt = _hf_model(tmp_path / "hf", num_hidden_layers=2)
+    file = Path(ckpt) / "model.safetensors"
+    state = load_file(file)
+    state["model.layers.1.mlp.up_proj.weight"][0, 0] = float("nan")
+    save_file(state, file, metadata={"format": "pt"})
+    model = LlamaForCausalLM(build_llama_config(ckpt, {"num_layers": 1}))
+    load_hf_weights(model, ckpt)
+    assert all(bool(torch.isfinite(p).all()) for p in model.parameters())

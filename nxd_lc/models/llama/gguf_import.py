@@ -48,6 +48,7 @@ import torch
 from safetensors.torch import save_file
 from transformers import LlamaConfig
 
+from nxd_lc.models.llama.hf_safetensors import NonFiniteWeightsError, all_finite
 from nxd_lc.runtime.process import pid_alive
 
 __all__ = [
@@ -187,6 +188,7 @@ def gguf_llama_state_dict(reader: Any, config: LlamaConfig, dtype: torch.dtype =
 
     Raises:
         ValueError: an unknown tensor name, or a tensor whose shape does not match ``config``.
+        NonFiniteWeightsError: a tensor holds NaN or infinite values (names it).
     """
     gguf = _gguf()
     expected = _expected_shapes(config)
@@ -201,6 +203,9 @@ def gguf_llama_state_dict(reader: Any, config: LlamaConfig, dtype: torch.dtype =
             weight = unpermute_qk(weight, config.num_attention_heads)
         elif name.endswith("k_proj.weight"):
             weight = unpermute_qk(weight, config.num_key_value_heads)
+        if not all_finite(weight):
+            raise NonFiniteWeightsError(f"GGUF tensor {tensor.name!r} ({name}) holds NaN or infinite values, so the "
+                                        "model would train on broken weights")
         if name not in expected or tuple(weight.shape) != expected[name]:
             raise ValueError(f"GGUF tensor {tensor.name!r} -> {name!r} has shape {tuple(weight.shape)}; the "
                              f"config expects {expected.get(name, 'no such tensor')}")

@@ -21,7 +21,7 @@ from typing_extensions import Self
 from nxd_lc.config.input_files import parse_json
 from nxd_lc.runtime.accel import HOST
 
-__all__ = ["INDEX_FILE", "SafetensorsCheckpoint", "check_safetensors_header"]
+__all__ = ["INDEX_FILE", "NonFiniteWeightsError", "SafetensorsCheckpoint", "all_finite", "check_safetensors_header"]
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -112,6 +112,18 @@ def _open(file: Path) -> Any:
         raise ValueError(f"safetensors file {file} cannot be read ({e}); download or save it again") from e
 
 
+class NonFiniteWeightsError(ValueError):
+    """A weight read from an HF checkpoint holds NaN or infinite values (the message names the file and tensor)."""
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """Whether floating-point tensor ``t`` holds no NaN and no infinity: one reduction (float8 tensors, which
+    ``torch.isfinite`` does not take, are widened to float16 first, exactly)."""
+    if t.element_size() == 1:
+        t = t.to(torch.float16)
+    return bool(torch.isfinite(t).all())
+
+
 class SafetensorsCheckpoint:
     """Read-only view over a safetensors checkpoint: one file, or a directory (sharded with
     ``model.safetensors.index.json``, or any ``*.safetensors`` files). Use as a context manager.
@@ -169,9 +181,12 @@ class SafetensorsCheckpoint:
     def read(self, name: str, dim: int | None = None, start: int = 0, stop: int | None = None) -> torch.Tensor:
         """Tensor ``name``, or only indices ``[start, stop)`` of dim ``dim`` (0 or 1), read from disk.
 
+        The values read are checked to be finite (one reduction over the host tensor, once per read).
+
         Raises:
             ValueError: ``name`` is missing, or stored with a non-floating dtype (every decoder weight is a float;
                 an integer / bool tensor would be cast silently), naming the tensor, its dtype and file.
+            NonFiniteWeightsError: the values read hold a NaN or an infinity (names the file and the tensor).
         """
         sl = self._slice(name)
         dtype = sl.get_dtype()
@@ -179,12 +194,20 @@ class SafetensorsCheckpoint:
             raise ValueError(f"tensor {name!r} in {self.file_of(name)} is stored as {dtype}, not a floating type; "
                              "the file is not an HF checkpoint of this model (model.hf_weights_dir)")
         if dim is None:
-            return sl[:]
-        if dim == 0:
-            return sl[start:stop]
-        if dim == 1:
-            return sl[:, start:stop]
-        raise ValueError(f"can only slice dim 0 or 1, got {dim}")
+            t = sl[:]
+        elif dim == 0:
+            t = sl[start:stop]
+        elif dim == 1:
+            t = sl[:, start:stop]
+        else:
+            raise ValueError(f"can only slice dim 0 or 1, got {dim}")
+        if not all_finite(t):
+            raise NonFiniteWeightsError(
+                f"safetensors file {self.file_of(name)}: tensor {name!r} holds NaN or infinite values, so the model "
+                "would train on broken weights (the loss is NaN from the first step); the checkpoint is damaged or "
+                "was saved from a diverged run: download or save it again, or point model.hf_weights_dir at "
+                "another checkpoint")
+        return t
 
     def file_of(self, name: str) -> Path:
         """The file that holds tensor ``name``."""
