@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -109,6 +110,32 @@ def load_run_tokenizer(cfg: NxdConfig) -> Any:
                           corpus_fingerprint=train_src.fingerprint(), is_builder=True)
 
 
+def run_tokenizer_source(cfg: NxdConfig, checkpoint_root: str) -> str | None:
+    """Where the HF export of a checkpoint in ``checkpoint_root`` takes its tokenizer from: the tokenizer the run
+    saved (``<log_dir>/tokenizer``, :mod:`nxd_lc.lightning.run_tokenizer`), or None to load the on-disk tokenizer
+    that ``data.tokenizer`` names (a run from before tokenizers were saved with it; logged as unverifiable).
+
+    Raises:
+        ValueError: the run saved no tokenizer and ``data.tokenizer`` would train one (``bytelevel_bpe``): the
+            export would train a tokenizer that may differ from the run's (another corpus or vocabulary size).
+    """
+    from nxd_lc.data.tokenizer import BYTELEVEL_BPE
+    from nxd_lc.lightning.run_tokenizer import run_tokenizer_dir
+
+    saved = run_tokenizer_dir(checkpoint_root)
+    if os.path.isdir(saved) and os.listdir(saved):
+        return saved
+    tok = cfg.data.tokenizer
+    if tok.type == BYTELEVEL_BPE and tok.library is None:
+        raise ValueError(f"the run's tokenizer is not saved with the checkpoint (no {saved}; training runs save it "
+                         "there at start) and data.tokenizer.type is 'bytelevel_bpe', which would train a new "
+                         "tokenizer that may differ from the run's; copy the run's tokenizer files into that "
+                         "directory, or export without a tokenizer (--save-tokenizer false)")
+    log.warning("the run's tokenizer is not saved with the checkpoint (no %s): saving data.tokenizer (%s) as "
+                "configured, which cannot be checked against the run's", saved, tok.type)
+    return None
+
+
 def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dtype: torch.dtype | None = None,
                              overwrite: bool = False, use_xser: bool | None = None,
                              save_tokenizer: bool = True) -> str:
@@ -127,7 +154,8 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         dtype: dtype of the saved tensors (default: the parameters' dtype).
         overwrite: replace an existing non-empty ``output``.
         use_xser: checkpoint format, None = auto-detect.
-        save_tokenizer: also save the run's tokenizer (:func:`load_run_tokenizer`).
+        save_tokenizer: also save the run's tokenizer (:func:`run_tokenizer_source`: the one the run saved, else
+            the configured on-disk one via :func:`load_run_tokenizer`).
 
     Returns:
         The absolute output directory.
@@ -135,7 +163,8 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
     Raises:
         FileNotFoundError: missing / incomplete checkpoint, missing shard.
         ValueError: TP mismatch between checkpoint, config and launch; existing output without ``overwrite``;
-            shard that does not fit the config's model.
+            shard that does not fit the config's model; the run's tokenizer is not saved and would be trained
+            (:func:`run_tokenizer_source`).
         nxd_lc.checkpoint.xser.UnsafeCheckpointError: a shard names a global outside the allowed set (nothing run).
     """
     from nxd_lc.config.access import peft_config
@@ -149,6 +178,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
     tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())
     output = os.path.abspath(output)
     check_output(output, overwrite)
+    tokenizer_dir = run_tokenizer_source(cfg, root) if save_tokenizer else None  # every rank: raises everywhere
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -165,14 +195,19 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
                          adapters_only=lora_only, ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
         if peft is not None:
             merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
-        tokenizer = load_run_tokenizer(cfg) if save_tokenizer and rank0 else None
+        tokenizer = load_run_tokenizer(cfg) if save_tokenizer and tokenizer_dir is None and rank0 else None
         parent, name = os.path.split(output)
         staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
         if rank0:
             os.makedirs(parent, exist_ok=True)
         save_hf_weights(model, staging, dtype=dtype)  # collective; rank 0 writes
         if rank0:
-            if tokenizer is not None:
+            if tokenizer_dir is not None:  # the run's own files, as saved
+                for name in sorted(os.listdir(tokenizer_dir)):
+                    src = os.path.join(tokenizer_dir, name)
+                    if os.path.isfile(src) and not os.path.islink(src):
+                        shutil.copyfile(src, os.path.join(staging, name))
+            elif tokenizer is not None:
                 tokenizer.save_pretrained(staging)
             write_provenance(staging, tag_dir, tp, cfg)
             publish(staging, output)

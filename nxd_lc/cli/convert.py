@@ -30,8 +30,13 @@ equal the processes launched), ``--pp_size`` (checked against the checkpoint rea
 ``--checkpoint`` is a checkpoint directory ``<root>/<tag>`` or a checkpoint root (the newest complete tag of it
 is used). Boolean options take an explicit value (``--overwrite true``, ``--save-tokenizer false``) or none
 (``--overwrite`` alone means true): NxDT's converter declares booleans with ``type=bool``, so ``--flag False``
-there means *True*; :func:`parse_bool` does not repeat that defect. Trailing ``key=value`` arguments are Hydra
-overrides of the run config (e.g. ``model.fuse_qkv=false``).
+there means *True*; :func:`parse_bool` does not repeat that defect. Trailing arguments are Hydra overrides of the
+run config in every form Hydra takes (``model.fuse_qkv=false``, ``+key=value``, ``++key=value``, ``~key``).
+
+The tokenizer written with the HF model is the one the run saved in its run directory (``<log_dir>/tokenizer``,
+next to ``<log_dir>/checkpoints``), not one rebuilt from the config: without it, a ``bytelevel_bpe`` config is
+refused (the export would train a tokenizer that may differ), and an on-disk ``data.tokenizer`` is used with a
+warning.
 """
 
 from __future__ import annotations
@@ -79,6 +84,24 @@ def parse_optional_bool(text: str) -> bool | None:
     return parse_bool(text)
 
 
+def override_problem(overrides: Sequence[str]) -> str | None:
+    """The first override Hydra's own parser refuses, as a message naming it and the accepted forms; None when all
+    parse (``key=value``, ``+key=value``, ``++key=value``, ``~key``, ``~key=value``, as on ``train.py``'s command
+    line)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    parser = OverridesParser.create()
+    for override in overrides:
+        try:
+            parser.parse_overrides([override])
+        except OverrideParseException as e:
+            reason = str(e).splitlines()[1:2] or [""]
+            return (f"override {override!r} is not a Hydra override ({reason[0].strip()}); use key=value, "
+                    "+key=value (add), ++key=value (add or set) or ~key (delete)")
+    return None
+
+
 def build_arg_parser() -> argparse.ArgumentParser:
     """The converter's command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m nxd_lc.cli.convert",
@@ -113,7 +136,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
                    const=True, default=True, help="copy the run's tokenizer into --output (default true)")
     p.add_argument("--load-xser", "--load_xser", dest="load_xser", type=parse_optional_bool, default=None,
                    help="checkpoint format: true (xser), false (torch.save) or auto (default: detect)")
-    p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
+    p.add_argument("overrides", nargs="*",
+                   help="Hydra overrides of the run config: key=value, +key=value, ++key=value, ~key")
     return p
 
 
@@ -126,9 +150,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     parser = build_arg_parser()
     args = parser.parse_args(argv)
-    bad = [o for o in args.overrides if "=" not in o]
-    if bad:
-        parser.error(f"overrides must be key=value, got {bad}")
+    problem = override_problem(args.overrides)
+    if problem:
+        parser.error(problem)
     if args.convert_from_full_state and args.convert_to_full_state:
         parser.error("--convert_to_full_state and --convert_from_full_state: choose one direction")
     if args.convert_to_full_state is False and not args.convert_from_full_state:

@@ -15,6 +15,7 @@ from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
 from nxd_lc.lightning.exp_manager import ExpPaths, build_checkpoint_callback, build_loggers
 from nxd_lc.lightning.preemption import PreemptionCallback, checkpoint_callback_saver, install_step_boundary_epoch_loop
 from nxd_lc.lightning.progress import OptimizerStepProgressBar
+from nxd_lc.lightning.run_tokenizer import SaveRunTokenizer
 from nxd_lc.lightning.strategy import NxDStrategy
 from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.device import RuntimeInfo, is_xla_accelerator
@@ -103,6 +104,7 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
 
         callbacks.append(RetrievalEvalCallback(cfg.exp_manager.retrieval_eval, seq_length(cfg) or 0,
                                                cfg.distributed_strategy.context_parallel_algo))
+    callbacks.append(SaveRunTokenizer(paths.log_dir))  # <log_dir>/tokenizer: what exports of its checkpoints use
     if t.enable_progress_bar:  # counts optimizer steps out of max_steps (Lightning's counts micro-batches)
         callbacks.append(OptimizerStepProgressBar())
     callbacks.extend(extra_callbacks)
