@@ -51,7 +51,8 @@ def marker(tmp_path: Path) -> Iterator[Path]:
 def _refused(excinfo: pytest.ExceptionInfo, path: Path | str, marker: Path) -> None:
     assert isinstance(excinfo.value, UnsafeCheckpointError)
     assert str(path) in str(excinfo.value) and excinfo.value.refused == "posix.system"
-    assert "exp_manager.checkpoint_weights_only" in str(excinfo.value)
+    assert "nothing in the file was run" in str(excinfo.value) and "re-save its state as tensors" in str(excinfo.value)
+    assert "checkpoint_weights_only" not in str(excinfo.value), "advised turning off the safe loader"
     assert not marker.exists(), "the planted code ran"
 
 
@@ -80,6 +81,19 @@ def test_planted_checkpoint_files_are_refused(tmp_path: Path, marker: Path, use_
     name = {"model": f"model/{sharded.checkpoint_file_name(0, 0, 0)}",
             "optim": f"optim/{sharded.checkpoint_file_name(0, 0, 0)}", "user_content": sharded.USER_CONTENT_FILE}
     _refused(excinfo, tmp_path / "step=1" / name[part], marker)
+
+
+def test_a_damaged_file_is_called_damaged_without_advising_the_unsafe_loader(tmp_path: Path) -> None:
+    """Bytes that are no pickle (a damaged shard): the error says damaged and names the file; it does not advise
+    ``exp_manager.checkpoint_weights_only: false`` (issue 40, item 11: it did, for data merely damaged)."""
+    path = tmp_path / "damaged.pt"
+    path.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(UnsafeCheckpointError) as excinfo:
+        xser.safe_torch_load(str(path))
+    text = str(excinfo.value)
+    assert excinfo.value.refused is None and text.startswith(f"{path}: not a readable checkpoint: the file is "
+                                                             "damaged"), text
+    assert "checkpoint_weights_only" not in text and "full unpickling" not in text, text
 
 
 def test_planted_tensor_file_of_an_xser_shard_is_refused(tmp_path: Path, marker: Path) -> None:

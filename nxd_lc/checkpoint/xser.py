@@ -103,19 +103,32 @@ log = logging.getLogger(__name__)
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
-    """A checkpoint, cache or adapter file names a global nxd_lc does not load (it would run code).
+    """A checkpoint, cache or adapter file the restricted unpickler refused: it names a global nxd_lc does not load
+    (it would run code), or it is damaged (the unpickler stopped at an opcode or object it does not read).
+
+    The message never advises turning the safe loader off (``exp_manager.checkpoint_weights_only: false``): a
+    damaged file is damaged under any loader, and a file naming a foreign global was written by other code or
+    tampered with; its fix is a good copy, or a re-save as tensors from a source the user trusts.
 
     Attributes:
         path: the file.
-        refused: the global it names (``module.name``), or None when torch's message did not say.
+        refused: the global it names (``module.name``), or None when torch's message named none (the file is
+            damaged, or not written by ``torch.save``).
     """
 
     def __init__(self, path: str, refused: str | None, detail: str) -> None:
         self.path, self.refused = path, refused
-        what = f"the global {refused!r}" if refused else "an object outside the allowed types"
-        super().__init__(f"{path}: refused: the file holds {what}, which nxd_lc does not load (a checkpoint is data, "
-                         f"never code; nothing in the file was run). If you trust the file and need it, set "
-                         f"exp_manager.checkpoint_weights_only: false (full unpickling). Detail: {detail}")
+        if refused:
+            text = (f"{path}: refused: the file holds the global {refused!r}, which nxd_lc does not load (a "
+                    f"checkpoint is data, never code; nothing in the file was run). What nxd_lc and NxD write holds "
+                    f"only tensors, numbers, strings and containers, so other code wrote this file or it was "
+                    f"altered: restore it from a good copy, or load it where you trust it and re-save its state as "
+                    f"tensors (torch.save(module.state_dict())). Detail: {detail}")
+        else:
+            text = (f"{path}: not a readable checkpoint: the file is damaged (truncated, overwritten or corrupted "
+                    f"on disk) or was not written by torch.save; the restricted loader stopped at: {detail}; nothing "
+                    f"in the file was run. Restore it from a good copy (a cache is recomputed when removed)")
+        super().__init__(text)
 
 
 def set_weights_only(enabled: bool) -> None:
