@@ -62,6 +62,20 @@ def test_load_export_save_roundtrip_tp1(tmp_path: Path) -> None:
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 97
 
 
+def test_export_drops_the_source_auto_map(tmp_path: Path) -> None:
+    """A source config.json whose ``auto_map`` maps model classes to code (loadable: nxd_lc builds its own Llama)
+    exports without it: the export holds transformers' LlamaForCausalLM, and the mapped code files are not copied."""
+    _, ckpt = _hf_model(tmp_path / "hf")
+    raw = json.loads((Path(ckpt) / "config.json").read_text())
+    raw["auto_map"] = {"AutoConfig": "configuration_x.XConfig", "AutoModelForCausalLM": "modeling_x.XForCausalLM"}
+    (Path(ckpt) / "config.json").write_text(json.dumps(raw))
+    model = LlamaForCausalLM(build_llama_config(ckpt))
+    load_hf_weights(model, ckpt)
+    save_hf_weights(model, tmp_path / "out")
+    assert "auto_map" not in json.loads((tmp_path / "out" / "config.json").read_text())
+    assert "auto_map" in model.config.to_dict()  # the run's own config is left as read
+
+
 def test_sharded_save_writes_index_and_loads(tmp_path: Path) -> None:
     hf, ckpt = _hf_model(tmp_path / "hf")
     model = LlamaForCausalLM(build_llama_config(ckpt))

@@ -151,13 +151,17 @@ _ARCHITECTURE_FIELDS = ("norm", "norm_eps", "activation", "qkv_bias", "o_bias", 
 
 def hf_export_config(config: Any) -> Any:
     """A copy of ``config`` for an HF ``config.json``: a Megatron-source config loses its ``nxd_decoder`` entry,
-    which transformers would ignore, so it must describe nothing transformers' class of ``model_type`` lacks.
+    which transformers would ignore, so it must describe nothing transformers' class of ``model_type`` lacks. An
+    ``auto_map`` read from the source config.json is dropped: the export holds transformers' own class of
+    ``model_type`` (nxd_lc never ran the source's code), and the mapped code files are not in the export directory.
 
     Raises:
         ValueError: the Megatron options give an architecture the HF family does not have (e.g. LayerNorm, GeLU,
             learned positions, biases or partial rotary on a llama config); names the differing options.
     """
     out = copy.deepcopy(config)
+    if hasattr(out, "auto_map"):
+        delattr(out, "auto_map")
     extra = getattr(out, "nxd_decoder", None)
     if not extra:
         return out
