@@ -129,7 +129,9 @@ def check_outcome(tree: dict[str, Any]) -> None:
     dry_run(cfg)  # the report of a valid config must not crash either
 
 
-
+# lane 1 only (CI time): validation is plain Python over OmegaConf, the same under torch 2.9; lane 2 keeps
+# test_validated_mutations_train_one_step (the accepted mutations train) and the findings below
+@pytest.mark.lane1_only
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much])
 @given(case=mutations(BASES))
