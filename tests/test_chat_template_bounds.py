@@ -82,7 +82,29 @@ AMPLIFIERS = {
     "sum of lists": "{{ range(100000) | map('string') | map('list') | sum(start=[]) }}",
     "tojson indent": "{{ messages | tojson(indent=10**8) }}",
     "loop over a string": "{% for a in 'x' * 50000 %}{% for b in 'x' * 50000 %}{% endfor %}{% endfor %}",
+    # shared sub-lists: 2 items per step, 2^60 reachable -- str() / == / a filter walk them in C, past any deadline
+    "shared list printed": "{% set ns = namespace(a=[1]) %}{% for i in range(60) %}{% set ns.a = [ns.a, ns.a] %}"
+                           "{% endfor %}{{ ns.a }}",
+    "shared list filtered": "{% set ns = namespace(a=[1]) %}{% for i in range(60) %}{% set ns.a = [ns.a, ns.a] %}"
+                            "{% endfor %}{{ ns.a | lower }}",
+    "shared list compared": "{% set ns = namespace(a=[1], b=[1]) %}{% for i in range(60) %}"
+                            "{% set ns.a = [ns.a, ns.a] %}{% set ns.b = [ns.b, ns.b] %}{% endfor %}{{ ns.a == ns.b }}",
+    "shared dict": "{% set ns = namespace(a={}) %}{% for i in range(60) %}{% set ns.a = {'x': ns.a, 'y': ns.a} %}"
+                   "{% endfor %}{{ ns.a }}",
+    "shared tuple via namespace": "{% set ns = namespace(a=(1,)) %}{% for i in range(60) %}"
+                                  "{% set ns.a = namespace(x=ns.a, y=ns.a) %}{% endfor %}{{ ns.a }}",
+    "shared list by +": "{% set ns = namespace(a=[1]) %}{% for i in range(60) %}{% set ns.a = [ns.a] + [ns.a] %}"
+                        "{% endfor %}{{ ns.a }}",
+    "bytes repeated": "{{ ('x'.encode() * 10**10) | length }}",
+    "12-digit format width": "{{ '{:>100000000000}'.format(1) }}",
 }
+
+
+def test_unbounded_recursion_stops_with_the_bound_error() -> None:
+    """A macro calling itself without end: RecursionError became "failed on this record"; now the bound error."""
+    template = SandboxedChatTemplate("{% macro f(n) %}{{ f(n + 1) }}{% endmacro %}{{ f(0) }}", {}, SMALL)
+    with pytest.raises(ChatTemplateLimitError, match="recursed past Python's recursion limit"):
+        template.render([{"role": "user", "content": "y"}])
 
 
 @pytest.mark.parametrize("name", sorted(AMPLIFIERS))

@@ -16,6 +16,13 @@ with two bounds per rendering (:class:`RenderLimits`):
   ``indent``, ``tojson`` and the like) are refused before they run when their size estimate exceeds what is left.
   The budget grows with the record (``max_chars + chars_per_input_char`` x the characters of its messages and tools),
   so long-context records render, and bounds peak memory to about 4 bytes per budget character.
+  A container is charged the items reachable from it, each reference counted (:func:`_deep_items`), when a list /
+  tuple / dict literal builds it and when an operator, call or filter returns it: ``[ns.a, ns.a]`` repeated doubles
+  what printing, comparing or a filter would walk, so such a structure stops at the budget while it is built (the
+  walk that follows it -- ``str()``, ``==`` -- is C code no deadline can interrupt).
+
+A template that recurses without bound (``RecursionError``) or exhausts memory (``MemoryError``) also stops with
+:class:`ChatTemplateLimitError`.
 
 Exceeding a bound raises :class:`ChatTemplateLimitError` (a ``ValueError``) naming the bound.
 """
@@ -82,7 +89,7 @@ class _Budget:
                 "bound")
 
     def spend(self, value: Any, what: str) -> None:
-        size = _size(value)
+        size = _deep_items(value, self.left, self) if isinstance(value, _CONTAINERS) else _size(value)
         self.check(size, what)
         self.left -= size
 
@@ -97,6 +104,34 @@ def _size(value: Any) -> int:
     if isinstance(value, int):
         return value.bit_length() // 8
     return 0
+
+
+_CONTAINERS = (list, tuple, set, frozenset, dict, jinja2.utils.Namespace)
+
+
+def _children(v: Any) -> Iterable[Any]:
+    """The values a container holds (a namespace's attributes; a dict's keys and values)."""
+    if isinstance(v, jinja2.utils.Namespace):
+        v = object.__getattribute__(v, "_Namespace__attrs")
+    if isinstance(v, dict):
+        return [*v.keys(), *v.values()]
+    return v
+
+
+def _deep_items(value: Any, cap: int, budget: _Budget | None = None) -> int:
+    """Container items reachable from ``value``, each reference counted (what ``str()`` / ``==`` walk); stops
+    above ``cap``; checks ``budget``'s deadline every 65,536 items."""
+    total, stack = 0, [value]
+    while stack and total <= cap:
+        v = stack.pop()
+        if isinstance(v, _CONTAINERS):
+            items = _children(v)
+            n = len(items) if isinstance(items, (list, tuple, set, frozenset)) else len(v)
+            if budget is not None and (total >> 16) != ((total + n) >> 16):
+                budget.tick()
+            total += n
+            stack.extend(items)
+    return total
 
 
 def _deep_size(value: Any, cap: int) -> int:
@@ -130,7 +165,10 @@ def _amplified(value: Any, args: Iterable[Any], cap: int, *, formatting: bool = 
             return cap + 1
     estimate = base * factor
     if formatting and isinstance(value, str):
-        widths = max((int(d) for d in _DIGITS.findall(value) if len(d) < 12), default=0)
+        digits = _DIGITS.findall(value)
+        if any(len(d) >= 12 for d in digits):  # a width of 10^11 characters or more
+            return cap + 1
+        widths = max((int(d) for d in digits), default=0)
         estimate += widths * (value.count("%") + value.count("{") + 1)
     return estimate
 
@@ -232,7 +270,25 @@ class _GenerationTag(jinja2.ext.Extension):
 
 class _HookedCodeGenerator(CodeGenerator):
     """Compiles every ``for`` loop's iterable through ``environment.bounded_iter`` (a deadline check per
-    iteration) and every ``~`` concatenation through ``environment.charged`` (its size is charged)."""
+    iteration), every ``~`` concatenation and every list / tuple / dict literal through ``environment.charged``
+    (its size is charged: a literal's, the items reachable from it)."""
+
+    def _charged(self, visit: Callable[[Any, Frame], None], node: nodes.Node, frame: Frame) -> None:
+        self.write("environment.charged(")
+        visit(node, frame)
+        self.write(")")
+
+    def visit_List(self, node: nodes.List, frame: Frame) -> None:  # noqa: N802
+        self._charged(super().visit_List, node, frame)
+
+    def visit_Dict(self, node: nodes.Dict, frame: Frame) -> None:  # noqa: N802
+        self._charged(super().visit_Dict, node, frame)
+
+    def visit_Tuple(self, node: nodes.Tuple, frame: Frame) -> None:  # noqa: N802
+        if node.ctx == "load":  # not an assignment target
+            self._charged(super().visit_Tuple, node, frame)
+        else:
+            super().visit_Tuple(node, frame)
 
     def visit_For(self, node: nodes.For, frame: Frame) -> None:  # noqa: N802 - jinja's visitor naming
         if not (isinstance(node.iter, nodes.Call) and isinstance(node.iter.node, nodes.EnvironmentAttribute)):
@@ -270,10 +326,10 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
             yield item
 
     def charged(self, value: Any) -> Any:
-        """``value`` (a ``~`` result), its size charged to the budget."""
+        """``value`` (a ``~`` result or a list / tuple / dict literal), its size charged to the budget."""
         budget = _BUDGET.get()
         if budget is not None:
-            budget.spend(value, "a '~' concatenation")
+            budget.spend(value, "a '~' concatenation" if isinstance(value, str) else "a list / tuple / dict literal")
         return value
 
     def concat(self, pieces: Iterable[str]) -> str:  # type: ignore[override]
@@ -320,7 +376,7 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
 
 def _binop_estimate(operator: str, left: Any, right: Any, cap: int) -> int:
-    seqs = (str, list, tuple)
+    seqs = (str, bytes, list, tuple)
     if operator == "*":
         if isinstance(left, seqs) and isinstance(right, int):
             return len(left) * max(right, 0)
@@ -374,8 +430,8 @@ class SandboxedChatTemplate:
         """The text of ``messages`` (and ``tools``) rendered with the template.
 
         Raises:
-            ChatTemplateLimitError: the rendering ran past ``limits.max_seconds`` or created more than its size
-                budget (names the bound).
+            ChatTemplateLimitError: the rendering ran past ``limits.max_seconds``, created more than its size
+                budget (names the bound), recursed without bound or exhausted memory.
             jinja2.TemplateError / TypeError / ...: the template fails on the record (as transformers would).
         """
         chat = _template_messages(messages)
@@ -391,5 +447,11 @@ class SandboxedChatTemplate:
                 budget.spend(chunk, "the template's output")
                 chunks.append(chunk)
             return "".join(chunks)
+        except RecursionError:
+            raise ChatTemplateLimitError("the template recursed past Python's recursion limit (a macro or include "
+                                         "that calls itself without end)") from None
+        except MemoryError:
+            raise ChatTemplateLimitError("the rendering exhausted memory before a size bound could stop it; the "
+                                         "template builds values without bound") from None
         finally:
             _BUDGET.reset(token)
