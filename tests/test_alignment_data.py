@@ -25,6 +25,7 @@ from nxd_lc.config.alignment_schema import (
     ORPOConfig,
     SFTConfig,
 )
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.schema import DataConfig, TokenizerConfig
 from nxd_lc.data.alignment_datamodule import ModelAlignmentDataModule, clean_arrow_record, read_records
 from nxd_lc.data.alignment_format import RecordFormatter
@@ -398,7 +399,7 @@ def test_records_without_targets_name_the_file_lines_and_cause(tok: PreTrainedTo
     rec = {"input": "", "output": ""} if algorithm == "sft" else {"prompt": "", "chosen": "", "rejected": ""}
     path = _write(tmp_path / "empty.jsonl", [rec] * 3)
     strategy = ModelAlignmentStrategyConfig(**{algorithm: SFTConfig() if algorithm == "sft" else DPOConfig()})
-    with pytest.raises(ValueError) as err:
+    with pytest.raises(ConfigError) as err:  # train.py's "error: ..." (exit 2), not a traceback (DPO's was)
         _module(tok, path, strategy)
     msg = str(err.value)
     assert re.search(rf"data\.train_dir: no usable records in {path}: 3 of 3 records have no target token "

@@ -45,6 +45,7 @@ from torch.utils.data import DataLoader
 
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.alignment_schema import ModelAlignmentStrategyConfig, resolved_max_prompt_length
+from nxd_lc.config.errors import ConfigError
 from nxd_lc.config.input_files import glob_files, iter_text_lines, parse_json, read_text
 from nxd_lc.config.schema import DataConfig
 from nxd_lc.data.alignment_format import RecordFormatter
@@ -346,8 +347,9 @@ class ModelAlignmentDataModule(PretrainingDataModule):
                 f", e.g. {', '.join(stats.empty_records)}" if stats.empty_records else "", len(dataset),
                 "rows" if self.algorithm == "sft" else "pairs", self.seq_length, ratio)
         if not len(dataset):
-            raise ValueError(f"{key}: no usable records in {resolve_path(path)}: "
-                             + "; ".join(self._drop_causes(stats)))
+            # a ConfigError: train.py prints it as "error: ..." with exit status 2, as the validation's problems
+            raise ConfigError([f"{key}: no usable records in {resolve_path(path)}: "
+                               + "; ".join(self._drop_causes(stats))])
         return dataset, stats, ratio
 
     def _drop_causes(self, stats: TruncationStats) -> list[str]:
