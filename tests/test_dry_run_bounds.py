@@ -138,16 +138,22 @@ def test_num_workers_is_bounded_by_the_cpus_per_rank(tmp_path: Path, devices: in
     """``data.num_workers`` of 100000 validated and then forked workers until the process limit (a raw
     BlockingIOError at launch): refused, naming the key, the bound (this host's CPUs over ``trainer.devices``
     ranks, at least 1) and the fix; the bound itself is accepted."""
+    from nxd_lc.app.run import dry_run
+
     bound = max(1, _cpus() // devices)
     path = _json(tmp_path)
-    with pytest.raises(ConfigError) as e:
-        load_config(_raw(path, devices=devices, data={"num_workers": 100000}))
-    (problem,) = e.value.problems
+    raw = _with_run_dir(_raw(path, devices=devices, data={"num_workers": 100000}), explicit_log_dir=str(tmp_path))
+    (problem,) = _launch_problems(raw)  # every rank at launch, on its own node
     assert problem.startswith("data.num_workers: 100000 exceeds"), problem
     assert f"set data.num_workers <= {bound}" in problem and f"trainer.devices={devices}" in problem, problem
-    load_config(_raw(path, devices=devices, data={"num_workers": bound}))
-    with pytest.raises(ConfigError, match=r"data.num_workers: [0-9]+ exceeds"):
-        load_config(_raw(path, devices=devices, data={"num_workers": bound + max(1, _cpus())}))
+    # the dry run (maybe a login node smaller than the training nodes) lists it, under a headline that says so
+    report = dry_run(load_config(raw)).splitlines()
+    assert report[0].endswith("but launching it on this host would stop (the end lists why)"), report[0]
+    assert report[-1] == f"#   - at launch: {problem}", report[-1]
+    ok = _with_run_dir(_raw(path, devices=devices, data={"num_workers": bound}), explicit_log_dir=str(tmp_path))
+    assert _launch_problems(ok) == []
+    over = {"num_workers": bound + max(1, _cpus())}
+    assert _launch_problems(_with_run_dir(_raw(path, devices=devices, data=over), explicit_log_dir=str(tmp_path)))
 
 
 def _launch_problems(raw: dict[str, Any]) -> list[str]:

@@ -51,6 +51,7 @@ def dry_run(cfg: NxdConfig) -> str:
              "# environment it would set (variables already set in the environment win):", table]
     problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
     if problems:
+        lines[0] = "# nxd_lc dry run: config is valid, but launching it on this host would stop (the end lists why)"
         lines.append("# launching this config would stop with:")
         lines += [f"#   - {p}" for p in problems]
     return "\n".join(lines)

@@ -86,8 +86,7 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
                 + checkpoint_problems(cfg) + mixture_problems(cfg) + curriculum_problems(cfg)
                 + moe_layout_problems(cfg, hf) + data_source_problems(cfg) + megatron_source_problems(cfg)
                 + family_problems(cfg, hf) + sft_style_problems(cfg) + fusion_config_problems(cfg)
-                + position_problems(cfg, hf) + num_workers_problems(cfg)
-                + dataset_size_problems(cfg))
+                + position_problems(cfg, hf) + dataset_size_problems(cfg))
     if problems:  # the memory estimate needs sizes every other rule has accepted
         return problems
     try:
@@ -100,10 +99,12 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:
-    """What must exist or be writable at launch (``load_config(check_paths=True)``; the dry run lists them): the
-    input paths (:func:`nxd_lc.app.validation.data.path_problems`) and the run directory
-    (:func:`nxd_lc.app.validation.resources.run_dir_problems`)."""
-    return input_path_problems(cfg) + run_dir_problems(cfg)
+    """What the launch host must have (``load_config(check_paths=True)``, on every rank at launch; the dry run lists
+    them, being possibly another host, e.g. a login node): the input paths
+    (:func:`nxd_lc.app.validation.data.path_problems`), the run directory
+    (:func:`nxd_lc.app.validation.resources.run_dir_problems`) and the CPUs for ``data.num_workers``
+    (:func:`nxd_lc.app.validation.resources.num_workers_problems`)."""
+    return input_path_problems(cfg) + run_dir_problems(cfg) + num_workers_problems(cfg)
 
 
 def memory_report(cfg: NxdConfig) -> list[str]:

@@ -5,8 +5,8 @@ key, the bound and the fix.
   (:func:`cpus_per_rank`) only oversubscribes the CPUs, and 100000 forked until the process limit and the launch
   died with a raw ``BlockingIOError``. Bound: the CPUs this process may run on (``os.sched_getaffinity``, else
   ``os.cpu_count``) over the ranks of a node (``trainer.devices``; validation checks the launched world is
-  ``trainer.devices x trainer.num_nodes``), at least 1. Judged on the host that validates: at launch every rank
-  validates on its own node.
+  ``trainer.devices x trainer.num_nodes``), at least 1. Judged at launch, where every rank validates on its own
+  node (a launch-host check, as the input paths); the dry run, possibly on a smaller login node, lists it.
 * the run directory (:func:`run_dir_problems`, at launch and listed by the dry run): ``exp_manager``'s
   ``explicit_log_dir`` (else ``exp_dir/name``) must be a directory this process can create files in (global rank 0
   takes its lock there before anything else is written), or be creatable under its nearest existing parent. The
