@@ -187,3 +187,10 @@ def test_auto_tokenizer_entry_in_config_json_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"data\.tokenizer\.type: .*config\.json maps AutoTokenizer to Python code "
                                          r"in the directory \(auto_map\['AutoTokenizer'\]: \['tokenization_x"):
         load_tokenizer(TokenizerConfig(type=str(tok_dir)), None)
+    # the dry run lists the same refusal (the launch-host checks): it said "config is valid" before
+    from nxd_lc.app.validation import path_problems
+    from nxd_lc.config.structure import typed_config
+
+    cfg = typed_config({"data": {"tokenizer": {"type": str(tok_dir)}, "builtin_corpus": "python_stdlib"}})
+    assert any(p.startswith("data.tokenizer.type: ") and "maps AutoTokenizer to Python code" in p
+               for p in path_problems(cfg)), path_problems(cfg)

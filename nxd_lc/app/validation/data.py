@@ -12,7 +12,13 @@ from nxd_lc.config.input_files import glob_files
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.megatron_dataset import megatron_data_problems
 from nxd_lc.data.retrieval_tasks import TASKS
-from nxd_lc.data.tokenizer import tokenizer_paths, tokenizer_problems, tokenizer_unsupported
+from nxd_lc.data.tokenizer import (
+    check_tokenizer_files,
+    refuse_remote_code,
+    tokenizer_paths,
+    tokenizer_problems,
+    tokenizer_unsupported,
+)
 from nxd_lc.models.common.rope import rope_scaling_problems
 
 
@@ -176,7 +182,8 @@ def sft_style_problems(cfg: NxdConfig) -> list[str]:
 
 def path_problems(cfg: NxdConfig) -> list[str]:
     """Input paths that must exist at launch: data dirs (a glob must match a file; a directory link loop is
-    skipped with a warning, never followed), tokenizer dir, resume_from_checkpoint."""
+    skipped with a warning, never followed), tokenizer dir (its files readable, no ``AutoTokenizer`` mapped to code:
+    :func:`~nxd_lc.data.tokenizer.refuse_remote_code`), resume_from_checkpoint."""
     p: list[str] = []
     d = cfg.data
     if d.data_prefix is not None:
@@ -193,6 +200,11 @@ def path_problems(cfg: NxdConfig) -> list[str]:
         if not (os.path.isdir if is_dir else os.path.isfile)(resolve_path(path)):
             what = "an existing tokenizer directory" + ("" if d.tokenizer.library else " (nor 'bytelevel_bpe')")
             p.append(f"{key}: {path!r} is not {what if is_dir else 'an existing file'}")
+        elif is_dir:  # the launch's own file checks, so the dry run lists what loading the tokenizer would refuse
+            try:
+                refuse_remote_code(resolve_path(path), key, check_tokenizer_files(resolve_path(path), key))
+            except ValueError as e:
+                p.append(str(e))
     w = cfg.model.hf_weights_dir
     if w is not None and not os.path.isdir(resolve_path(w)):
         p.append(f"model.hf_weights_dir: no such directory: {resolve_path(w)} (expected HF safetensors files)")
