@@ -323,7 +323,7 @@ def test_nxdt_megatron_examples_have_no_data_problems(name: str) -> None:
     assert [p for p in unsupported_features(cfg) if "data." in p or "token_shuffle" in p] == []
 
 
-@pytest.mark.parametrize("bad", ["json", "latin-1", "field"])
+@pytest.mark.parametrize("bad", ["json", "latin-1", "field", "number"])
 def test_preprocessing_errors_name_file_line_and_leave_no_partial_output(gpt2_files: tuple[str, str],
                                                                          tmp_path: Path, bad: str,
                                                                          capsys: pytest.CaptureFixture[str]) -> None:
@@ -339,7 +339,7 @@ def test_preprocessing_errors_name_file_line_and_leave_no_partial_output(gpt2_fi
     assert mi.main(["--input", str(good), "--output-prefix", str(out / "kept"), *tok_args]) == 0
     before = {p.name: p.read_bytes() for p in out.iterdir()}
     line = {"json": b'{"text": "fox" "dog"}\n', "latin-1": '{"text": "caf\xe9"}\n'.encode("latin-1"),
-            "field": b'{"body": "fox"}\n'}[bad]
+            "field": b'{"body": "fox"}\n', "number": b'{"text": 5}\n'}[bad]
     data = tmp_path / "in.jsonl"
     data.write_bytes(good.read_bytes() + line)
     for prefix in ("kept", "fresh"):
@@ -347,5 +347,10 @@ def test_preprocessing_errors_name_file_line_and_leave_no_partial_output(gpt2_fi
         assert mi.main(["--input", str(data), "--output-prefix", str(out / prefix), *tok_args]) == 2
         err = capsys.readouterr().err
         assert f"{data}:301" in err, err
-        assert {"json": "not valid JSON", "latin-1": "UTF-8", "field": "no string field 'text'"}[bad] in err, err
+        assert {"json": "not valid JSON", "latin-1": "UTF-8", "field": "no string field 'text'",
+                "number": "field 'text' is int, not a string"}[bad] in err, err
         assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing new, the good output intact
+    capsys.readouterr()
+    missing = tmp_path / "missing.jsonl"
+    assert mi.main(["--input", str(missing), "--output-prefix", str(out / "fresh"), *tok_args]) == 2
+    assert f"error: --input: {missing} is not an existing file" in capsys.readouterr().err

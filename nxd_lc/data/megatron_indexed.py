@@ -356,6 +356,9 @@ def _batches(path: str, json_key: str, batch_size: int) -> Iterable[list[str]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"--input: {path}:{lineno}: not valid JSON ({e.msg}, column {e.colno}); the input "
                              "holds one JSON object per line: fix or remove that line") from None
+        if isinstance(record, dict) and json_key in record and not isinstance(record[json_key], str):
+            raise ValueError(f"--input: {path}:{lineno}: field {json_key!r} is {type(record[json_key]).__name__}, "
+                             "not a string; every document's text must be a JSON string: fix that line")
         if not isinstance(record, dict) or not isinstance(record.get(json_key), str):
             raise ValueError(f"--json-key: {path}:{lineno} has no string field {json_key!r} (found "
                              f"{sorted(record) if isinstance(record, dict) else type(record).__name__}); give "
@@ -410,6 +413,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     tok_cfg = TokenizerConfig(type=args.type, library=args.library, model=args.model, vocab_file=args.vocab_file,
                               merge_file=args.merge_file, delimiter=args.delimiter,
                               sentencepiece_legacy=args.sentencepiece_legacy, use_fast=args.use_fast)
+    if not os.path.isfile(args.input):
+        print(f"error: --input: {args.input} is not an existing file (a .jsonl, one document per line)",
+              file=sys.stderr)
+        return 2
     try:
         tokenizer = load_tokenizer(tok_cfg, None, require_fast=False)
         prefix, docs, tokens = preprocess(args.input, args.output_prefix, tokenizer, json_key=args.json_key,
