@@ -60,6 +60,16 @@ def test_moe_keys_validate_against_the_model_config() -> None:
     assert "not supported yet: model.compile with mixture-of-experts" in text
 
 
+def test_a_moe_key_overriding_a_different_config_json_value_is_said(caplog: pytest.LogCaptureFixture) -> None:
+    """model.moe wins over config.json (NxDT), but a disagreement was silent (config.json's num_local_experts of
+    10^9 trained as the YAML's 8 without a word): a warning names both."""
+    with caplog.at_level("WARNING", logger="nxd_lc.moe.config"):
+        load_config(_raw(moe={"num_experts": 4, "top_k": 2}), world_size=2)
+    text = caplog.text
+    assert f"model.moe.num_experts: 4 overrides num_local_experts=8 of {TINY_MIXTRAL}" in text, text
+    assert "model.moe.top_k" not in text, text  # equal to config.json's: nothing to say
+
+
 @pytest.mark.compat
 def test_moe_options_follow_nxdt_dispatch_rules() -> None:
     from nxd_lc.config.schema import MoEConfig

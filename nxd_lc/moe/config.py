@@ -108,6 +108,11 @@ def moe_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> list[str]:
                      "dropout); set it to 0.0")
     if hf is None or not is_moe_model(hf):
         return p
+    for field, value in moe_hf_overrides(moe).items():  # model.moe wins (NxDT); a disagreement is said, not silent
+        if field in hf and hf[field] != value and os.environ.get("RANK", "0") == "0":
+            key = next(k for k, f in _HF_FIELDS.items() if f == field)
+            log.warning("model.moe.%s: %r overrides %s=%r of %s (model.moe wins, as in NxDT); remove one of the "
+                        "two if they are not meant to differ", key, value, field, hf[field], cfg.model.model_config)
     experts = (moe.num_experts if moe and moe.num_experts is not None else hf.get("num_local_experts"))
     top_k = (moe.top_k if moe and moe.top_k is not None else hf.get("num_experts_per_tok"))
     where = "model.moe.num_experts" if moe and moe.num_experts is not None else \
