@@ -8,6 +8,7 @@ import shutil
 import sysconfig
 from pathlib import Path
 
+import pytest
 import pytorch_lightning as pl
 import torch
 from torch.utils.data import DataLoader
@@ -57,12 +58,21 @@ def test_an_epoch_bound_run_counts_the_optimizer_steps_of_each_epoch(tmp_path: P
     assert bar.train_progress_bar.desc.rstrip(": ") == "Epoch 1/1"
 
 
-def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path) -> None:
+def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``train.py``'s path (nxd_lc.app.run on the CPU demo config, shrunk) with the progress bar on and 2
     micro-batches per optimizer step: the bar is nxd_lc's and ends at max_steps/max_steps under ``Epoch 0``."""
+    import socket
+
     from hydra import compose, initialize_config_dir
 
-    from nxd_lc.app.run import run
+    from nxd_lc.app.run import _shutdown_distributed, run
+
+    with socket.socket() as s:  # one process of a launch, whatever an earlier test of this worker left set
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
 
     corpus = tmp_path / "corpus"
     corpus.mkdir()
@@ -80,7 +90,10 @@ def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path) -> Non
                  "distributed_strategy.sequence_parallel=false"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
-    trainer = run(raw)
+    try:
+        trainer = run(raw)
+    finally:
+        _shutdown_distributed()  # as train.py does: no process group left for the worker's next test
     bar = trainer.progress_bar_callback
     assert isinstance(bar, OptimizerStepProgressBar)
     assert trainer.global_step == 3
