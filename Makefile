@@ -50,12 +50,9 @@ install-xla: $(XLA_VENV)/.installed-dev
 demo: install
 	OMP_NUM_THREADS=1 $(VENV)/bin/torchrun --standalone --nproc_per_node=2 train.py --config-name cpu_tiny_llama_config
 
-# The lanes run side by side (TEST_JOBS=2): lane 2's install (a torch + torch-xla download of minutes) overlaps lane
-# 1's tests, and the last file of one lane does not leave a core idle; -Oline keeps each output line whole.
-# TEST_JOBS=1 runs them one after the other.
-TEST_JOBS ?= 2
-test:
-	$(MAKE) --no-print-directory -j$(TEST_JOBS) -Oline $(TEST_LANES)
+# The lanes run one after the other. Side by side (make -j2 -Oline test-fast test-xla) was measured slower on 2 cores:
+# lane 1 alone took 47 min of test time next to lane 2 (four pytest workers and their ranks on two cores)
+test: $(TEST_LANES)
 
 # pytest-xdist: two workers (this project's CI machines have 2 cores; multi-process tests oversubscribe, which gloo
 # tolerates); a file's tests stay on one worker, in order, with their module fixtures. PYTEST_WORKERS=0: no xdist.
