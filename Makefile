@@ -72,12 +72,15 @@ test-slurm: install-dev
 	examples/slurm/requeue_test.sh
 
 test-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) -m "(xla or compat) and not lane1_only" tests
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
+		-m "(xla or compat) and not lane1_only and not xla_acceptance" tests
 
 # not part of `make test`: every alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and
-# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 2 of them)
+# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 2 of them), and the
+# multi-device parity cases marked xla_acceptance (TP 2 + SP x DP 2)
 test-xla-acceptance: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py \
+		"tests/test_xla_multidevice.py::test_parity_with_one_device[tp2_sp_x_dp2]"
 
 # not part of `make test`: every NxDT example (the 19 files + the older SFT layout, and the EP / tiled variants)
 # trained shrunk through train.py's path on the XLA test bed at its own layout against one device (lane 2 runs the

@@ -47,7 +47,9 @@ def _assert_parity(results: list[dict], reference: dict) -> None:
     (4, {"tp": 4, "sp": True, "kv": 2}),
     (2, {}),  # DP = 2
     (2, {"zero1": True}),  # ZeRO-1 over DP = 2
-    (4, {"tp": 2, "sp": True}),  # TP = 2 x DP = 2
+    # TP = 2 x DP = 2: make test-xla-acceptance (CI time; lane 2 trains NxDT's Mixtral file at TP 2 x DP 2 with EP
+    # in test_nxdt_examples_train_xla, and TP 2 x CP 2 below)
+    pytest.param(4, {"tp": 2, "sp": True}, marks=pytest.mark.xla_acceptance),
     (2, {"cp": 2, "algo": "ulysses"}),
     # the CP group smaller than the world: torch-xla's all-to-all had no replica groups (HLO verifier failure)
     (4, {"cp": 2, "algo": "ulysses", "tp": 2, "sp": True}),
