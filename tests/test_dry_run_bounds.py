@@ -243,9 +243,16 @@ def test_a_model_key_no_layout_can_hold_is_named(tmp_path: Path) -> None:
 def test_a_layout_problem_still_names_the_layout_keys(tmp_path: Path) -> None:
     """A model that fits spread over the ranks but not at this micro batch: the layout's keys, as before."""
     path = _json(tmp_path, max_position_embeddings=2**16)
-    with pytest.raises(ConfigError, match=r"^invalid .*\n  - data.micro_batch_size: the estimated memory per rank"):
+    first = r"^invalid .*\n  - data.micro_batch_size: the estimated memory per rank"
+    with pytest.raises(ConfigError, match=first) as e:
         load_config(_raw(path, data={"micro_batch_size": 2**10, "global_batch_size": 2**10, "seq_length": 2**16},
                          model={"encoder_seq_length": 2**16}))
+    # the layer count is among the keys to change (the re-run: 300 layers in config.json were not named)
+    assert e.value.problems[0].endswith(", config.json's num_hidden_layers"), e.value.problems[0]
+    with pytest.raises(ConfigError) as e:
+        load_config(_raw(path, data={"micro_batch_size": 2**10, "global_batch_size": 2**10, "seq_length": 2**16},
+                         model={"encoder_seq_length": 2**16, "num_layers": 4}))
+    assert e.value.problems[0].endswith(", model.num_layers"), e.value.problems[0]
 
 
 def _megatron_raw(tmp_path: Path, global_batch_size: int, docs: int = 8) -> tuple[dict[str, Any], str]:

@@ -124,7 +124,10 @@ def _keys_to_change(cfg: NxdConfig, est: MemoryEstimate) -> list[str]:
                                                 or m.activations_checkpoint_method == "block"):
         act_keys.append("model.activations_checkpoint_granularity")
     act_keys.append("distributed_strategy.context_parallel_size")
-    return act_keys + model_keys if est.activations > est.total - est.activations else model_keys + act_keys
+    # the layer count scales both parts: named last (config.json's field, or the model: key that set it)
+    layers, is_file = size_source(cfg, "num_hidden_layers")
+    last = [f"{layers.split(' (')[0]}'s num_hidden_layers" if is_file else layers]
+    return (act_keys + model_keys if est.activations > est.total - est.activations else model_keys + act_keys) + last
 
 
 def memory_estimate_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> tuple[list[str], list[str]]:
