@@ -292,3 +292,20 @@ def test_a_global_batch_above_the_built_dataset_names_the_key() -> None:
     assert problem.startswith("data.global_batch_size: the dataset has 10 samples, fewer than one global batch "
                               f"({10**12})"), problem
     assert "lower data.global_batch_size to at most 10" in problem, problem
+
+
+def test_a_global_batch_above_an_alignment_jsonl_is_refused_at_validation(tmp_path: Path) -> None:
+    """An SFT file of 8 records with ``data.global_batch_size`` 10^12 validated (the dry run said valid) and the
+    launch refused once the data was built: every sample holds at least one record, so validation refuses it naming
+    the key, the file and the bound; 8 is accepted."""
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"input": f"q {i}", "output": f"a {i}"}) + "\n" for i in range(8)) + "\n")
+    raw = _raw(_json(tmp_path), data={"train_dir": str(data), "global_batch_size": 10**12},
+               model_alignment_strategy={"sft": {}})
+    with pytest.raises(ConfigError) as e:
+        load_config(raw)
+    (problem,) = e.value.problems
+    assert problem == (f"data.global_batch_size: {10**12} exceeds the 8 records of data.train_dir ({data}); every "
+                       "training sample holds at least one record: lower data.global_batch_size to at most 8 or add "
+                       "records"), problem
+    load_config({**raw, "data": {**raw["data"], "global_batch_size": 8}})

@@ -187,6 +187,10 @@ def test_old_layout_validates_at_its_full_size(files: dict[str, Path], tmp_path:
     full["trainer"]["devices"] = 32
     full["distributed_strategy"]["tensor_model_parallel_size"] = 8
     full["data"]["global_batch_size"] = 64
+    records = [line for line in files["train"].read_text().splitlines() if line.strip()]
+    big = tmp_path / "training_64.jsonl"  # one global batch of records at least (validation counts them)
+    big.write_text("\n".join(records * (64 // len(records) + 1)) + "\n")
+    full["data"]["train_dir"] = str(big)
     full["model"].update(encoder_seq_length=4096, num_layers=32, hidden_size=4096, ffn_hidden_size=11008,
                          num_attention_heads=32, num_kv_heads=32)
     full["model"]["optim"]["sched"]["warmup_steps"] = 10

@@ -120,12 +120,40 @@ def megatron_tokens(prefix: str) -> int | None:
     return size // np.dtype(DTYPE_CODES[code]).itemsize if code in DTYPE_CODES else None
 
 
+def _alignment_records_problem(cfg: NxdConfig) -> list[str]:
+    """An alignment run (``model_alignment_strategy``) on one ``.jsonl`` file: every training sample holds at least
+    one record (one per row / pair; packing only joins them), so a global batch above the file's non-blank lines
+    (``data.dev_choose_samples`` at most) can never be drawn. Lines are counted until the batch is reached: the cost
+    is bounded by ``data.global_batch_size`` lines, the file read once at most."""
+    d = cfg.data
+    if cfg.model_alignment_strategy is None or d.train_dir is None:
+        return []
+    path = resolve_path(d.train_dir)
+    if not (path.endswith(".jsonl") and os.path.isfile(path)):
+        return []  # a directory, glob or datasets dir: counted once built (the sampler's refusal names the key)
+    need, records = d.global_batch_size, 0
+    try:
+        with open(path, "rb") as f:
+            for line in f:
+                records += bool(line.strip())
+                if records >= need:
+                    return []
+    except OSError:
+        return []  # reported by the path checks
+    if d.dev_choose_samples is not None:
+        records = min(records, d.dev_choose_samples)
+    return [f"data.global_batch_size: {need} exceeds the {records} records of data.train_dir ({path}); every "
+            f"training sample holds at least one record: lower data.global_batch_size to at most {records} or add "
+            "records"]
+
+
 def dataset_size_problems(cfg: NxdConfig) -> list[str]:
     """``data.global_batch_size`` above the samples the training set can hold, where that is known before the build
-    (module docstring: Megatron indexed data whose files are readable; silent otherwise)."""
+    (module docstring: Megatron indexed data whose files are readable, an alignment ``.jsonl`` file's records;
+    silent otherwise)."""
     d, s = cfg.data, seq_length(cfg)
     if d.data_prefix is None or not s or s < 1:
-        return []
+        return _alignment_records_problem(cfg)
     from nxd_lc.data.megatron_dataset import parse_data_prefix
 
     try:
