@@ -39,15 +39,32 @@ def _overrides(tmp: Path, corpus: Path, vocab_size: int) -> list[str]:
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 2-step run of the demo config (a byte-level BPE of 300 tokens trained on its corpus), checkpointed."""
+    import socket
+
     from hydra import compose, initialize_config_dir
 
-    from nxd_lc.app.run import run
+    from nxd_lc.app.run import _shutdown_distributed, run
+    from nxd_lc.distributed import parallel_state
 
     tmp = tmp_path_factory.mktemp("export_tok")
     corpus = _corpus(tmp / "corpus")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=_overrides(tmp, corpus, 300))
-    run(raw)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # one process of a launch, its own environment and groups: nothing of an earlier test of this xdist worker is
+    # used and nothing is left for a later one (train.py starts a fresh process)
+    parallel_state.destroy_model_parallel()
+    _shutdown_distributed()
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
+            mp.setenv(key, value)
+        try:
+            run(raw)
+        finally:
+            _shutdown_distributed()
     return tmp, corpus
 
 

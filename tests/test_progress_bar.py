@@ -90,6 +90,10 @@ def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path, monkey
                  "distributed_strategy.sequence_parallel=false"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
+    from nxd_lc.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()  # what an earlier test of this xdist worker left (train.py starts a
+    _shutdown_distributed()  # fresh process)
     try:
         trainer = run(raw)
     finally:
