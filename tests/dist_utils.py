@@ -25,6 +25,20 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def set_launch_env_of_one(setenv: Callable[[str, str], None]) -> None:
+    """The environment of one process of a torchrun launch (rank 0 of 1, a free port), set with ``setenv`` (a
+    ``pytest.MonkeyPatch``'s, so it is undone), after releasing any process group and nxd_lc parallel state an
+    earlier in-process run of this worker left: the in-process run starts as train.py's fresh process does."""
+    from nxd_lc.app.run import _shutdown_distributed
+    from nxd_lc.distributed import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    _shutdown_distributed()
+    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}.items():
+        setenv(key, value)
+
+
 def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),

@@ -39,28 +39,17 @@ def _overrides(tmp: Path, corpus: Path, vocab_size: int) -> list[str]:
 @pytest.fixture(scope="module")
 def trained_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     """A 2-step run of the demo config (a byte-level BPE of 300 tokens trained on its corpus), checkpointed."""
-    import socket
-
+    from dist_utils import set_launch_env_of_one
     from hydra import compose, initialize_config_dir
 
     from nxd_lc.app.run import _shutdown_distributed, run
-    from nxd_lc.distributed import parallel_state
 
     tmp = tmp_path_factory.mktemp("export_tok")
     corpus = _corpus(tmp / "corpus")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=_overrides(tmp, corpus, 300))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    # one process of a launch, its own environment and groups: nothing of an earlier test of this xdist worker is
-    # used and nothing is left for a later one (train.py starts a fresh process)
-    parallel_state.destroy_model_parallel()
-    _shutdown_distributed()
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-            mp.setenv(key, value)
+    with pytest.MonkeyPatch.context() as mp:  # module scope: its own MonkeyPatch, undone after the run
+        set_launch_env_of_one(mp.setenv)
         try:
             run(raw)
         finally:
@@ -102,15 +91,10 @@ def test_the_cli_takes_hydra_delete_and_add_overrides(trained_run: tuple[Path, P
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     """``~data.builtin_corpus`` and ``+data.train_dir=...`` were refused ("overrides must be key=value"); a
     malformed override is still a usage error naming it."""
-    import socket
+    from dist_utils import set_launch_env_of_one
 
     tmp, corpus = trained_run
-    with socket.socket() as s:  # one process of a torchrun launch (the CLI joins a gloo group of one)
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(key, value)
+    set_launch_env_of_one(monkeypatch.setenv)  # one process of a torchrun launch (the CLI joins a group of one)
     args = ["--config-name", "cpu_tiny_llama_config", "--config-dir", str(REPO / "conf"),
             "--checkpoint", str(tmp / "run" / "checkpoints"), "--output", str(tmp_path / "hf")]
     assert convert_main([*args, *_overrides(tmp_path, corpus, 300), "++model.fuse_qkv=true"]) == 0

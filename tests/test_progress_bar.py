@@ -61,19 +61,12 @@ def test_an_epoch_bound_run_counts_the_optimizer_steps_of_each_epoch(tmp_path: P
 def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``train.py``'s path (nxd_lc.app.run on the CPU demo config, shrunk) with the progress bar on and 2
     micro-batches per optimizer step: the bar is nxd_lc's and ends at max_steps/max_steps under ``Epoch 0``."""
-    import socket
-
+    from dist_utils import set_launch_env_of_one
     from hydra import compose, initialize_config_dir
 
     from nxd_lc.app.run import _shutdown_distributed, run
 
-    with socket.socket() as s:  # one process of a launch, whatever an earlier test of this worker left set
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}.items():
-        monkeypatch.setenv(key, value)
-
+    set_launch_env_of_one(monkeypatch.setenv)
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -90,10 +83,6 @@ def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path, monkey
                  "distributed_strategy.sequence_parallel=false"]
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
         raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
-    from nxd_lc.distributed import parallel_state
-
-    parallel_state.destroy_model_parallel()  # what an earlier test of this xdist worker left (train.py starts a
-    _shutdown_distributed()  # fresh process)
     try:
         trainer = run(raw)
     finally:

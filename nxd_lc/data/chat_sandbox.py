@@ -34,7 +34,7 @@ import functools
 import json
 import re
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
@@ -109,7 +109,7 @@ def _size(value: Any) -> int:
 _CONTAINERS = (list, tuple, set, frozenset, dict, jinja2.utils.Namespace)
 
 
-def _children(v: Any) -> Iterable[Any]:
+def _children(v: Any) -> Collection[Any]:
     """The values a container holds (a namespace's attributes; a dict's keys and values)."""
     if isinstance(v, jinja2.utils.Namespace):
         v = object.__getattribute__(v, "_Namespace__attrs")
@@ -126,7 +126,7 @@ def _deep_items(value: Any, cap: int, budget: _Budget | None = None) -> int:
         v = stack.pop()
         if isinstance(v, _CONTAINERS):
             items = _children(v)
-            n = len(items) if isinstance(items, (list, tuple, set, frozenset)) else len(v)
+            n = len(items)
             if budget is not None and (total >> 16) != ((total + n) >> 16):
                 budget.tick()
             total += n

@@ -126,7 +126,7 @@ def _keys_to_change(cfg: NxdConfig, est: MemoryEstimate) -> list[str]:
     act_keys.append("distributed_strategy.context_parallel_size")
     # the layer count scales both parts: named last (config.json's field, or the model: key that set it)
     layers, is_file = size_source(cfg, "num_hidden_layers")
-    last = [f"{layers.split(' (')[0]}'s num_hidden_layers" if is_file else layers]
+    last = ["config.json's num_hidden_layers" if is_file else layers]
     return (act_keys + model_keys if est.activations > est.total - est.activations else model_keys + act_keys) + last
 
 
