@@ -210,6 +210,8 @@ ACTIVATION_CASES = {
         "activations_checkpoint_granularity": "selective",
         "activations_checkpoint_recompute": ["LlamaRMSNorm", "ActivationMultiplyMLP"]},
     "full + tiled loss": {"activations_checkpoint_granularity": "full", "tiled_loss_chunk_size": 128},
+    "full + attention kept": {"activations_checkpoint_granularity": "full",
+                              "activations_checkpoint_save_attention": True},
 }
 
 

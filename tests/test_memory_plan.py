@@ -56,7 +56,7 @@ def test_estimates_bound_the_measured_peak(monkeypatch: pytest.MonkeyPatch, dtyp
     monkeypatch.setattr(mp, "PLAN_MLP_CHUNK", 64)  # a chunk smaller than the 512 tokens, so tiling shows
     monkeypatch.setattr(mp, "PLAN_LOSS_CHUNK", 32)
     measured = {}
-    for name in ("none", "selective", "full", "full_tiled_mlp"):  # offload: the fake host is the same device
+    for name in ("none", "selective", "full_save_attention", "full", "full_tiled_mlp"):  # offload: fake host = device
         for loss_chunk in (None, 32):
             keys = mp._plan(name, loss_chunk, 0, 0, 0).model_keys()
             peak = _measured_activation_peak(keys, dtype)
@@ -64,8 +64,8 @@ def test_estimates_bound_the_measured_peak(monkeypatch: pytest.MonkeyPatch, dtyp
             assert peak <= estimate <= 2.2 * peak, (name, loss_chunk, peak, estimate)
             measured[name, loss_chunk] = peak
     # the plans really are in decreasing memory order, as the planner assumes
-    assert measured["none", None] > measured["selective", None] > measured["full", None] \
-        > measured["full_tiled_mlp", None]
+    assert measured["none", None] > measured["selective", None] > measured["full_save_attention", None] \
+        > measured["full", None] > measured["full_tiled_mlp", None]
 
 
 @pytest.mark.compat
@@ -90,6 +90,29 @@ def test_planner_takes_the_fastest_plan_that_fits() -> None:
         mp.choose_memory_plan(s, "1MiB")
     compiled = mp.choose_memory_plan(s, 0.06, allow_offload=False)
     assert compiled.name != "full_offload"
+
+
+def test_planner_keeps_attention_outputs_between_selective_and_full() -> None:
+    """Issue 41, item 2: a budget between full recomputation's estimate and that plus each layer's attention output
+    and log-sum-exp ([T, Hq] bf16 + [heads, T] fp32 per layer, by hand below) keeps them (the recomputation skips
+    the attention); below it, full recomputation; on torch-xla (lazy) never (no selective policy there)."""
+    t, layers, heads, dh = 131072, 16, 32, 64
+    s = _shape(torch.bfloat16, tokens=t, hidden=2048, head_dim=dh, heads_local=heads, kv_heads_local=8,
+               intermediate_local=8192, vocab_local=128256, layers=layers)
+    full = mp.estimate_bytes(s, "full", 1024)[0]
+    kept_attention = layers * t * (2 * heads * dh + 4 * heads)
+    assert mp.estimate_bytes(s, "full_save_attention", 1024)[0] == full + kept_attention
+    budget = f"{(full + kept_attention) / 2**30 + 0.01:.3f}GiB"
+    plan = mp.choose_memory_plan(s, budget)
+    assert plan.name == "full_save_attention" and plan.granularity == "full" and plan.save_attention
+    assert plan.model_keys()["activations_checkpoint_save_attention"] is True
+    assert mp.choose_memory_plan(s, f"{(full + kept_attention) / 2**30 - 0.01:.3f}GiB").name == "full"
+    lazy = mp.choose_memory_plan(s, budget, lazy=True)
+    assert lazy.name == "full" and not lazy.save_attention
+    tiled = mp.estimate_bytes(s, "full_tiled_mlp", 1024)[0]  # below it only offload, which torch-xla cannot run
+    assert mp.choose_memory_plan(s, f"{tiled / 2**30 + 0.01:.3f}GiB", lazy=True).name == "full_tiled_mlp"
+    with pytest.raises(ValueError, match="below the smallest plan.*tiled MLP and loss\\)"):
+        mp.choose_memory_plan(s, f"{tiled / 2**30 - 0.01:.3f}GiB", lazy=True)
 
 
 def test_budget_forms() -> None:

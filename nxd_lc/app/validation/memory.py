@@ -27,8 +27,9 @@ The estimate, per rank (the pipeline rank that needs the most), in bytes:
   plan ``none``, ``selective`` -> the listed modules' parts recomputed (norms, MLP, the attention kernel, the SwiGLU
   product: :data:`~nxd_lc.models.common.memory_plan.RECOMPUTE_PARTS`; other names counted as not recomputed, an
   upper bound, with a note), ``full`` -> ``full`` (with a tiled MLP ``full_tiled_mlp``, with offload
-  ``full_offload``), ``block`` with N layers -> N layers ``full`` and the rest ``none``; a memory budget
-  (``activations_memory_budget``) -> the plan it chooses. ``T`` = micro batch x sequence / CP tokens (x 2 for DPO /
+  ``full_offload``, with ``activations_checkpoint_save_attention`` ``full_save_attention``), ``block`` with N
+  layers -> N layers ``full`` and the rest ``none``; a memory budget (``activations_memory_budget``) -> the plan it
+  chooses. ``T`` = micro batch x sequence / CP tokens (x 2 for DPO /
   ORPO pairs). What a micro-batch keeps from its forward to its backward counts once per micro-batch in flight,
   what one backward needs (a recomputation's working set, transient gradients, the loss on the last stage) once:
   the first pipeline rank keeps 1F1B's ``min(micro-batches, PP)`` micro-batches in flight; on torch-xla (the
@@ -436,7 +437,8 @@ def _activation_split(a: Architecture, cfg: NxdConfig, layers: int, head: bool,
                       element_size=(policy.autocast_dtype or policy.param_dtype).itemsize, head=head)
     plan, loss_chunk, note, parts = _plan_name(cfg)
     if m.activations_memory_budget is not None:
-        chosen = choose_memory_plan(shape, m.activations_memory_budget, allow_offload=m.compile is not True)
+        chosen = choose_memory_plan(shape, m.activations_memory_budget, allow_offload=m.compile is not True,
+                                    lazy=_runs_lockstep(cfg))
         plan, loss_chunk, parts = chosen.name, chosen.tiled_loss_chunk_size, None
     if plan == "block":
         n = min(layers, m.activations_checkpoint_num_layers or 0) if full_layers is None else full_layers
@@ -495,6 +497,8 @@ def _plan_name(cfg: NxdConfig) -> tuple[str, int | None, str | None, frozenset[s
             return "block", chunk, None, None
         if m.activations_offload:
             return "full_offload", chunk, None, None
+        if m.activations_checkpoint_save_attention:  # with a tiled MLP: its untiled working set, an upper bound
+            return "full_save_attention", chunk, None, None
         tiled = m.tiled_mlp_chunk_size is not None and m.tiled_mlp_chunk_size <= PLAN_MLP_CHUNK
         return ("full_tiled_mlp" if tiled else "full"), chunk, None, None
     if granularity == "selective":

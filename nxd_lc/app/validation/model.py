@@ -64,6 +64,7 @@ def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
             p.append(problem)
         chosen = {"activations_checkpoint_granularity": m.activations_checkpoint_granularity,
                   "activations_checkpoint_recompute": m.activations_checkpoint_recompute,
+                  "activations_checkpoint_save_attention": m.activations_checkpoint_save_attention or None,
                   "tiled_mlp_chunk_size": m.tiled_mlp_chunk_size, "tiled_loss_chunk_size": m.tiled_loss_chunk_size,
                   "activations_offload": m.activations_offload or None}
         for key, value in chosen.items():

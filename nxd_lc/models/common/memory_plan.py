@@ -8,11 +8,19 @@ estimate fits is used, in this order (each recomputes more than the one before):
 1. ``none``: nothing recomputed;
 2. ``selective``: the norms and the MLP are recomputed, the attention's tensors are kept
    (``activations_checkpoint_granularity: selective``, ``activations_checkpoint_recompute: [RMSNorm, LlamaMLP]``);
-3. ``full``: every decoder layer recomputed, only its input ``[B, S(/tp), H]`` kept;
-4. ``full_tiled_mlp``: as 3, the MLP of the layer being recomputed runs ``tiled_mlp_chunk_size`` tokens at a time
+3. ``full_save_attention``: every decoder layer recomputed except its attention kernel, whose output and
+   log-sum-exp are kept with the layer input (``activations_checkpoint_granularity: full``,
+   ``activations_checkpoint_save_attention: true``): the recomputation re-runs the norms, projections, RoPE and MLP
+   but not the ``O(S^2)`` attention, for one ``[T, Hq]`` (+ ``[heads, T]`` fp32) more per layer than plan 4 (issue
+   41: at 64k-128k the attention is most of a recomputation's time);
+4. ``full``: every decoder layer recomputed, only its input ``[B, S(/tp), H]`` kept;
+5. ``full_tiled_mlp``: as 4, the MLP of the layer being recomputed runs ``tiled_mlp_chunk_size`` tokens at a time
    (only worth it where the MLP's ``[T, 2I]`` working set matters: long sequences);
-5. ``full_offload``: as 4, and each layer's input is moved to host memory in forward and back in backward
+6. ``full_offload``: as 5, and each layer's input is moved to host memory in forward and back in backward
    (``model.activations_offload``: ALST's / DeepSpeed's activation-checkpoint offload).
+
+Plans 3 and 6 are skipped where they cannot run: on torch-xla (its checkpoint has no selective policy and no
+offload hooks) both, and plan 6 with compiled layers (the offloading checkpoint is reentrant).
 
 The loss is untiled when its logits fit in what the layers leave of the budget, else tiled
 (``tiled_loss_chunk_size`` 1024) -- unless Liger's fused linear cross-entropy is the loss kernel, which never holds
@@ -35,7 +43,8 @@ region: ``T / tp`` under sequence parallelism; ``e`` the activation element size
 * SwiGLU MLP: its input ``e H`` per token of ``Tn``, gate/up ``2 e I``, ``silu(gate)`` ``e I``, the product ``e I``:
   per token of ``T``;
 * a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
-  set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part);
+  set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part); ``full_save_attention`` also
+  keeps the attention kernel's output ``e Hq`` and log-sum-exp ``4 heads/tp`` per token of ``T``;
 * the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
   the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input, its gradient and the
   gradient's scaled copy (``3 e H``) and the float32 ``[Vl, H]`` weight-gradient accumulator; Liger's
@@ -75,18 +84,21 @@ from nxd_lc.distributed import parallel_state
 from nxd_lc.layers.fusions import resolve_fusions
 from nxd_lc.models.common.checkpointing import apply_memory_techniques
 from nxd_lc.models.common.fusions import apply_fusions
+from nxd_lc.runtime.device import is_xla_accelerator
 
 if TYPE_CHECKING:
     from nxd_lc.config.schema import ModelConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory", "budget_problem",
+__all__ = ["EAGER_ONLY_PLANS", "MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory", "budget_problem",
            "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes", "estimate_split", "model_plan_shape",
            "parse_budget", "recompute_parts"]
 
 #: the plans, fastest first (module docstring)
-PLAN_ORDER = ("none", "selective", "full", "full_tiled_mlp", "full_offload")
+PLAN_ORDER = ("none", "selective", "full_save_attention", "full", "full_tiled_mlp", "full_offload")
+#: plans that need torch's selective checkpoint policy / saved-tensor hooks (not on torch-xla)
+EAGER_ONLY_PLANS = frozenset({"full_save_attention", "full_offload"})
 #: token chunk of the tiled MLP / tiled loss the planner uses
 PLAN_MLP_CHUNK = 4096
 PLAN_LOSS_CHUNK = 1024
@@ -142,6 +154,7 @@ class MemoryPlan:
     Attributes:
         name: one of :data:`PLAN_ORDER`.
         granularity, recompute: ``activations_checkpoint_granularity`` / ``..._recompute``.
+        save_attention: ``activations_checkpoint_save_attention``.
         tiled_mlp_chunk_size, tiled_loss_chunk_size: the tiling keys (None: untiled).
         offload: ``activations_offload``.
         estimate_bytes: activation bytes on the device (module docstring); host_bytes: offloaded bytes.
@@ -157,11 +170,13 @@ class MemoryPlan:
     estimate_bytes: int
     host_bytes: int
     budget_bytes: int
+    save_attention: bool = False
 
     def model_keys(self) -> dict[str, Any]:
         """The ``model:`` (:class:`~nxd_lc.config.schema.ModelConfig`) fields this plan sets."""
         return {"activations_checkpoint_granularity": self.granularity,
                 "activations_checkpoint_recompute": list(self.recompute) if self.recompute else None,
+                "activations_checkpoint_save_attention": self.save_attention,
                 "tiled_mlp_chunk_size": self.tiled_mlp_chunk_size, "tiled_loss_chunk_size": self.tiled_loss_chunk_size,
                 "activations_offload": self.offload}
 
@@ -309,9 +324,12 @@ def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
         once = _layer_bytes(s, tiled)  # the working set of the layer being recomputed
         if plan == "full_offload":  # two layer inputs in flight on the device, the rest on the host
             kept, once, host = 0, once + 2 * layer_input, s.layers * layer_input
+        elif plan == "full_save_attention":  # the attention kernel's output and log-sum-exp kept with the input
+            kept = s.layers * (layer_input + s.tokens * (e * s.heads_local * s.head_dim + 4 * s.heads_local))
         else:
             kept = s.layers * layer_input
-    mlp_tokens = s.tokens if plan in ("none", "selective", "full") else min(s.tokens, PLAN_MLP_CHUNK)
+    untiled = ("none", "selective", "full_save_attention", "full")
+    mlp_tokens = s.tokens if plan in untiled else min(s.tokens, PLAN_MLP_CHUNK)
     # backward's gradients of one MLP's activations (its input's: [T, H] before the reduce-scatter), alive with
     # its saved ones; under SP also a column layer's input gathered again for its weight gradient
     regathered = s.tokens * e * s.hidden if tn < s.tokens else 0
@@ -333,20 +351,23 @@ def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tu
 
 def _plan(name: str, loss_chunk: int | None, device: int, host: int, budget: int) -> MemoryPlan:
     granularity = {"none": None, "selective": "selective"}.get(name, "full")
-    return MemoryPlan(name=name, granularity=granularity,
+    return MemoryPlan(name=name, granularity=granularity, save_attention=name == "full_save_attention",
                       recompute=("RMSNorm", "LlamaMLP") if name == "selective" else None,
                       tiled_mlp_chunk_size=PLAN_MLP_CHUNK if name in ("full_tiled_mlp", "full_offload") else None,
                       tiled_loss_chunk_size=loss_chunk, offload=name == "full_offload", estimate_bytes=device,
                       host_bytes=host, budget_bytes=budget)
 
 
-def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True) -> MemoryPlan:
+def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True, lazy: bool = False) -> MemoryPlan:
     """The fastest plan of :data:`PLAN_ORDER` whose estimate fits ``budget`` (module docstring).
 
     Args:
         s: the micro-batch's shape on this rank.
         budget: ``model.activations_memory_budget`` (:func:`parse_budget`).
-        allow_offload: False where activation offload cannot run (compiled layers): plan 5 is not considered.
+        allow_offload: False where activation offload cannot run (compiled layers): ``full_offload`` is not
+            considered.
+        lazy: the run is on torch-xla (``xla`` / torch-xla ``neuron``): the plans of :data:`EAGER_ONLY_PLANS` are
+            not considered (torch-xla's checkpoint recomputes whole modules).
 
     Returns:
         The plan; each plan is tried with the untiled loss first, then the tiled one
@@ -360,7 +381,7 @@ def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True)
     limit = int(amount * reference) if kind == "fraction" else int(amount)
     smallest = None
     for name in PLAN_ORDER:
-        if name == "full_offload" and not allow_offload:
+        if (name == "full_offload" and not allow_offload) or (lazy and name in EAGER_ONLY_PLANS):
             continue
         for loss_chunk in ((None,) if s.fused_loss else (None, PLAN_LOSS_CHUNK)):
             device, host = estimate_bytes(s, name, loss_chunk)
@@ -370,7 +391,7 @@ def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True)
                 return _plan(name, loss_chunk, device, host, limit)
     raise ValueError(f"{KEY}: {budget!r} ({limit / _GIB:.2f} GiB of activations) is below the smallest plan's "
                      f"estimate ({smallest / _GIB:.2f} GiB: full recomputation, tiled MLP and loss"
-                     f"{', offloaded layer inputs' if allow_offload else ''}); raise the budget, shorten "
+                     f"{', offloaded layer inputs' if allow_offload and not lazy else ''}); raise the budget, shorten "
                      "data.seq_length or add context parallelism (distributed_strategy.context_parallel_size)")
 
 
@@ -424,7 +445,8 @@ def apply_kernels_and_memory(model: nn.Module, model_cfg: ModelConfig, *, accele
     if model_cfg.activations_memory_budget is not None:  # validation: no memory key is also set by hand
         shape = model_plan_shape(model, tokens, sequence_parallel=sequence_parallel, element_size=element_size,
                                  fused_loss=kernels["cross_entropy"] == "liger")
-        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled)
+        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled,
+                                  lazy=is_xla_accelerator(accelerator))
         log.info(plan.describe())
         model_cfg = dataclasses.replace(model_cfg, **plan.model_keys())
         model.memory_plan = plan
