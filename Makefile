@@ -18,7 +18,7 @@ XLA_DEPS := pyproject.toml constraints-xla.txt
 # The lanes `make test` (CI's .ci/run) runs, in order. Both lanes: TEST_LANES ?= test-fast test-xla
 TEST_LANES ?= test-fast test-xla
 
-.PHONY: demo test test-fast test-extended test-xla test-xla-acceptance test-nxdt-xla test-slurm install install-dev install-xla lint clean-runs
+.PHONY: demo test test-fast test-extended test-xla test-xla-acceptance test-nxdt test-nxdt-xla test-slurm install install-dev install-xla lint clean-runs
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -73,7 +73,7 @@ test-slurm: install-dev
 
 test-xla: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
-		-m "(xla or compat) and not lane1_only and not xla_acceptance" tests
+		-m "(xla or compat) and not lane1_only and not xla_acceptance and not extended" tests
 
 # not part of `make test`: every alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and
 # PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 2 of them), and the
@@ -81,6 +81,11 @@ test-xla: install-xla
 test-xla-acceptance: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py \
 		"tests/test_xla_multidevice.py::test_parity_with_one_device[tp2_sp_x_dp2]"
+
+# not part of `make test` (it trains 9 of them, tests/test_nxdt_examples.py's CI_SUBSET): every NxDT example (the 19
+# files) trained shrunk through train.py under torchrun on CPU, 2 steps and a checkpoint each (~10 min on 2 cores)
+test-nxdt: install-dev
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -rs --durations=20 $(XDIST) tests/test_nxdt_examples.py
 
 # not part of `make test`: every NxDT example (the 19 files + the older SFT layout, and the EP / tiled variants)
 # trained shrunk through train.py's path on the XLA test bed at its own layout against one device (lane 2 runs the

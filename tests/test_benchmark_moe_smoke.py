@@ -20,7 +20,8 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import moe  # noqa: E402
 
 
-@pytest.mark.distributed
+@pytest.mark.extended  # make test-extended (CI time: a benchmark harness; MoE routing, EP and dispatch are
+@pytest.mark.distributed  # tested by tests/test_moe_layer.py, test_moe_config.py and test_mixtral.py)
 @pytest.mark.slow
 @pytest.mark.lane1_only
 def test_moe_benchmark_smoke(tmp_path: Path) -> None:

@@ -42,7 +42,8 @@ def _gemm_factors(m: dict) -> dict[str, float]:
             "selective": 1 + 2 * layers * mlp / (6 * total)}
 
 
-@pytest.mark.slow
+@pytest.mark.extended  # make test-extended (CI time: a benchmark harness; recomputation itself is tested by
+@pytest.mark.slow  # tests/test_memory_techniques.py and tests/test_compiled_memory.py)
 def test_smoke_run_recomputes_what_each_configuration_should(tmp_path: Path) -> None:
     out = tmp_path / "profile_step.json"
     expected = _gemm_factors(SMOKE_MODEL)
