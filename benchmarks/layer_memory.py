@@ -120,7 +120,7 @@ def _measure(layers: int, plan: str, compiled: bool, seq: int) -> dict[str, Any]
     loss.backward()
     step_peak = peak() - start
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-    return {"kept": kept, "peak": step_peak, "loss": float(loss), "grads": grads}
+    return {"kept": kept, "peak": step_peak, "loss": float(loss.detach()), "grads": grads}
 
 
 def measure(plans: tuple[str, ...] = PLANS, seq: int = 2048) -> list[dict[str, Any]]:
