@@ -75,12 +75,15 @@ test-xla: install-xla
 	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
 		-m "(xla or compat) and not lane1_only and not xla_acceptance and not extended" tests
 
-# not part of `make test`: every alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and
-# PP 2 on the XLA test bed against one device (15 cases, ~12 min on 2 cores; lane 2 runs 2 of them), and the
-# multi-device parity cases marked xla_acceptance (TP 2 + SP x DP 2)
+# not part of `make test`: the XLA test-bed cases lane 2 leaves out for CI time (marker xla_acceptance): every
+# alignment workflow (DPO precomputed / live, ORPO, SFT, LoRA) at TP 2 + SP, DP 2 and PP 2 against one device (15
+# cases; lane 2 runs LoRA at PP 2), TP 2 without SP and TP 2 + SP x DP 2 parity, Mixtral's EP 2 parity, PP 2 x VPP 2,
+# the fp32 and manual precision modes (~25 min on 2 cores)
 test-xla-acceptance: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 tests/test_xla_alignment.py \
-		"tests/test_xla_multidevice.py::test_parity_with_one_device[tp2_sp_x_dp2]"
+	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
+		-m xla_acceptance \
+		tests/test_xla_alignment.py tests/test_xla_multidevice.py tests/test_xla_pipeline.py \
+		tests/test_precision_xla.py tests/test_precision_xla_mixed.py
 
 # not part of `make test` (it trains 9 of them, tests/test_nxdt_examples.py's CI_SUBSET): every NxDT example (the 19
 # files) trained shrunk through train.py under torchrun on CPU, 2 steps and a checkpoint each (~10 min on 2 cores)

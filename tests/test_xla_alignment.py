@@ -14,12 +14,13 @@ whichever is larger (ORPO's loss of 10.18 at step 3, TP 2 + SP: 1.05e-5 apart, 1
 LoRA the merged HF export and the adapters file (sum of squares per tensor) within 1e-5 relative. No rank may
 trace a graph another rank does not (the test bed stops the run with a named divergence).
 
-Lane 2 runs the cases of :data:`CI_CASES` (CI time): LoRA at TP 2 + SP (the merged export's TP gathers after
-Lightning moved the model to the CPU, its parameters' lost flags, its reads on one rank only) and LoRA at PP 2 (the
-stages' export gather through the key-value store, their equal cuts, and A's initial values per split). DPO at TP 2
+Lane 2 runs the case of :data:`CI_CASES` (CI time): LoRA at PP 2 (the stages' export gather through the key-value
+store, their equal cuts, and A's initial values per split). LoRA at TP 2 + SP (the merged export's TP gathers after
+Lightning moved the model to the CPU, its parameters' lost flags, its reads on one rank only) trains in lane 2 through
+NxDT's SFT-LoRA file (``tests/test_nxdt_examples_train_xla.py``) and here under make test-xla-acceptance. DPO at TP 2
 + SP (the weights checksum's rank-divergent reads) runs in lane 2 through NxDT's own DPO file
 (``tests/test_nxdt_examples_train_xla.py``), DPO with the live reference at PP 2 in lane 1 against transformers
-(``tests/test_pipeline_alignment.py``); ``make test-xla-acceptance`` runs all 15 (marker ``xla_acceptance``).
+(``tests/test_pipeline_alignment.py``); ``make test-xla-acceptance`` runs the other 14 (marker ``xla_acceptance``).
 """
 
 from __future__ import annotations
@@ -34,7 +35,9 @@ from xla_testbed import run_on_xla_devices  # noqa: E402
 TOL = 1e-5
 NORM_AFTER_ADAMW = 1e-4  # relative, gradient norms after an AdamW step (module docstring)
 VALUE_AFTER_ADAMW = 2e-6  # relative (or TOL absolute), the other values after an AdamW step
-CI_CASES = {("lora", "tp2_sp"), ("lora", "pp2")}
+#: lane 2's case (CI time): LoRA at PP 2; LoRA at TP 2 + SP trains in lane 2 through NxDT's SFT-LoRA file
+#: (tests/test_nxdt_examples_train_xla.py, equal to one device)
+CI_CASES = {("lora", "pp2")}
 _CASES = [pytest.param(w, lay, marks=[pytest.mark.xla] if (w, lay) in CI_CASES else [pytest.mark.xla_acceptance],
                        id=f"{w}-{lay}")
           for w in WORKFLOWS for lay in LAYOUTS if lay != "one"]

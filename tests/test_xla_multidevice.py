@@ -42,7 +42,8 @@ def _assert_parity(results: list[dict], reference: dict) -> None:
 
 
 @pytest.mark.parametrize("devices,kwargs", [
-    (2, {"tp": 2}),
+    # TP 2 without SP: make test-xla-acceptance (CI time: every NxDT example sets sequence_parallel; TP 2 + SP below)
+    pytest.param(2, {"tp": 2}, marks=pytest.mark.xla_acceptance),
     (2, {"tp": 2, "sp": True}),
     (4, {"tp": 4, "sp": True, "kv": 2}),
     (2, {}),  # DP = 2
@@ -60,6 +61,7 @@ def test_parity_with_one_device(one_device: dict, devices: int, kwargs: dict) ->
     _assert_parity(run.results, one_device)
 
 
+@pytest.mark.xla_acceptance  # make test-xla-acceptance (CI time): lane 2 trains EP 2 at TP 2 (docstring)
 def test_mixtral_expert_parallel_parity_with_one_device() -> None:
     """Mixtral (4 experts, top 2, capacity factor 4: nothing dropped) with its experts split over EP = 2 (the DP
     ranks; tokens exchanged by all-to-all) equals one XLA device. EP 2 at TP 2 (the EP group smaller than the world):
