@@ -93,7 +93,7 @@ def test_budget_below_every_plan_at_one_length_goes_on(tmp_path: Path, monkeypat
     """A fractional budget below every plan at the shortest length (the H200 run's nxd_budget15 at 4k) is recorded
     as ``no_plan`` there and the next length still runs. For the tiny shape, 0.7 of the no-recompute activations
     is below the smallest plan at 512 tokens (the loss logits, V = 8 H, weigh most) and fits full recomputation at
-    2048 (found by building the model at both lengths)."""
+    2048, with or without the attention outputs kept (found by building the model at both lengths)."""
     from benchmarks import accel_step as bench
 
     hf_dir = tmp_path / "hf"
@@ -104,7 +104,7 @@ def test_budget_below_every_plan_at_one_length_goes_on(tmp_path: Path, monkeypat
     points = result["points"]
     assert [p["status"] for p in points] == ["no_plan", "ok"], points
     assert "model.activations_memory_budget" in points[0]["error"]
-    assert points[1]["memory_plan"] == "full" and points[1]["tokens_per_s"] > 0
+    assert points[1]["memory_plan"] in ("full_save_attention", "full") and points[1]["tokens_per_s"] > 0
     assert bench._impl_status(result) == "ok"
     assert bench._cell(result, 512, lambda p: "x") == "no plan"
 

@@ -15,6 +15,7 @@ CUDA only and are not counted here.
 from __future__ import annotations
 
 import collections
+import warnings
 from typing import Any
 
 import pytest
@@ -68,8 +69,9 @@ def _hf_ops(layers: int, recompute: bool) -> collections.Counter[str]:
     config.use_cache = False
     model = HFLlamaForCausalLM(config).train()
     if recompute:
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
-        enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        with warnings.catch_warnings():  # transformers 5 renames it (a FutureWarning); the pinned name still works
+            warnings.simplefilter("ignore", FutureWarning)
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 256, (1, S))
     with _OpCount() as count:
         model(input_ids=ids, labels=ids).loss.backward()
