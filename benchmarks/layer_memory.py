@@ -72,15 +72,21 @@ def interposer_path() -> Path:
     return out
 
 
-def _counters() -> tuple[Any, Any]:
+def _counters() -> tuple[Any, Any, Any]:
+    """The interposer's ``(current, reset_peak, peak)`` byte counters.
+
+    Raises:
+        RuntimeError: the interposer is not loaded.
+    """
     lib = ctypes.CDLL(None)
     try:
-        current, reset = lib.memtrack_current, lib.memtrack_reset_peak
+        counters = lib.memtrack_current, lib.memtrack_reset_peak, lib.memtrack_peak
     except AttributeError as e:
         raise RuntimeError("benchmarks.layer_memory: the malloc interposer is not loaded (run through main(), "
                            "which sets LD_PRELOAD)") from e
-    current.restype = reset.restype = lib.memtrack_peak.restype = ctypes.c_longlong
-    return current, (reset, lib.memtrack_peak)
+    for f in counters:
+        f.restype = ctypes.c_longlong
+    return counters
 
 
 def _build(layers: int, plan: str, compiled: bool, seq: int) -> Any:
@@ -106,7 +112,7 @@ def _measure(layers: int, plan: str, compiled: bool, seq: int) -> dict[str, Any]
     """One model: two warm-up steps, then the measured one."""
     import torch
 
-    current, (reset_peak, peak) = _counters()
+    current, reset_peak, peak = _counters()
     model = _build(layers, plan, compiled, seq)
     ids = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
     for _ in range(2):

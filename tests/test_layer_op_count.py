@@ -2,14 +2,14 @@
 transformers.
 
 On CUDA every dispatched ATen op of an eager step is (at most) one kernel launch; the H200 profile of nxd_lc's eager
-step found twice the launches of transformers + Liger-Kernel. Here a :class:`TorchDispatchMode` counts the ops of one
-forward + backward of a causal-LM loss with 2 and with 4 decoder layers (the difference, halved, is one layer's:
-embedding, head and loss cancel) for nxd_lc's Llama and for transformers' ``LlamaForCausalLM`` (SDPA attention),
-both eager with the same shape, without recomputation and with every layer recomputed (nxd_lc's ``full``,
-transformers' gradient checkpointing). nxd_lc's layer must dispatch no more ops than transformers' in either mode;
-the counts measured when this was written are in the assertion messages' context below (2026-11-28, torch 2.13:
-176 vs 219 without recomputation, 277 vs 338 with it). Liger's kernels replace norm / RoPE / SwiGLU op groups on
-CUDA only and are not counted here.
+step found twice the launches of transformers + Liger-Kernel. Here a dispatch mode (``tests/test_fusions.py``'s
+``_OpCounter``) counts the ops of one forward + backward of a causal-LM loss with 2 and with 4 decoder layers (the
+difference, halved, is one layer's: embedding, head and loss cancel) for nxd_lc's Llama and for transformers'
+``LlamaForCausalLM`` (SDPA attention), both eager with the same shape, without recomputation and with every layer
+recomputed (nxd_lc's ``full``, transformers' gradient checkpointing). nxd_lc's layer must dispatch no more ops than
+transformers' in either mode; the counts measured when this was written are in the assertion messages' context below
+(2026-11-28, torch 2.13: 176 vs 219 without recomputation, 277 vs 338 with it). Liger's kernels replace norm / RoPE
+/ SwiGLU op groups on CUDA only and are not counted here.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from test_fusions import _OpCounter
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlamaForCausalLM
 
@@ -29,19 +29,6 @@ from nxd_lc.models.common.checkpointing import apply_activation_checkpointing
 from nxd_lc.models.llama import LlamaForCausalLM
 
 S = 256
-
-
-class _OpCount(TorchDispatchMode):
-    """Counts every ATen op dispatched inside the mode, by overload packet."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ops: collections.Counter[str] = collections.Counter()
-
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (),
-                           kwargs: dict[str, Any] | None = None) -> Any:
-        self.ops[str(func.overloadpacket)] += 1
-        return func(*args, **(kwargs or {}))
 
 
 def _config(layers: int) -> LlamaConfig:
@@ -56,7 +43,7 @@ def _nxd_ops(layers: int, recompute: bool) -> collections.Counter[str]:
     if recompute:
         apply_activation_checkpointing(model, "full")
     ids = torch.randint(0, 256, (1, S))
-    with _OpCount() as count:
+    with _OpCounter() as count:
         total, n = model.loss(ids, ids)
         (total / n).backward()
     return count.ops
@@ -73,7 +60,7 @@ def _hf_ops(layers: int, recompute: bool) -> collections.Counter[str]:
             warnings.simplefilter("ignore", FutureWarning)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     ids = torch.randint(0, 256, (1, S))
-    with _OpCount() as count:
+    with _OpCounter() as count:
         model(input_ids=ids, labels=ids).loss.backward()
     return count.ops
 

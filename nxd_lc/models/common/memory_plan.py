@@ -99,6 +99,8 @@ __all__ = ["EAGER_ONLY_PLANS", "MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_k
 PLAN_ORDER = ("none", "selective", "full_save_attention", "full", "full_tiled_mlp", "full_offload")
 #: plans that need torch's selective checkpoint policy / saved-tensor hooks (not on torch-xla)
 EAGER_ONLY_PLANS = frozenset({"full_save_attention", "full_offload"})
+#: plans whose MLP runs PLAN_MLP_CHUNK tokens at a time
+_TILED_MLP_PLANS = frozenset({"full_tiled_mlp", "full_offload"})
 #: token chunk of the tiled MLP / tiled loss the planner uses
 PLAN_MLP_CHUNK = 4096
 PLAN_LOSS_CHUNK = 1024
@@ -320,7 +322,7 @@ def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
         per_layer, once = _selective_layer(s, _SELECTIVE if recompute is None else recompute)
         kept = s.layers * per_layer
     else:
-        tiled = PLAN_MLP_CHUNK if plan in ("full_tiled_mlp", "full_offload") else None
+        tiled = PLAN_MLP_CHUNK if plan in _TILED_MLP_PLANS else None
         once = _layer_bytes(s, tiled)  # the working set of the layer being recomputed
         if plan == "full_offload":  # two layer inputs in flight on the device, the rest on the host
             kept, once, host = 0, once + 2 * layer_input, s.layers * layer_input
@@ -328,8 +330,7 @@ def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
             kept = s.layers * (layer_input + s.tokens * (e * s.heads_local * s.head_dim + 4 * s.heads_local))
         else:
             kept = s.layers * layer_input
-    untiled = ("none", "selective", "full_save_attention", "full")
-    mlp_tokens = s.tokens if plan in untiled else min(s.tokens, PLAN_MLP_CHUNK)
+    mlp_tokens = min(s.tokens, PLAN_MLP_CHUNK) if plan in _TILED_MLP_PLANS else s.tokens
     # backward's gradients of one MLP's activations (its input's: [T, H] before the reduce-scatter), alive with
     # its saved ones; under SP also a column layer's input gathered again for its weight gradient
     regathered = s.tokens * e * s.hidden if tn < s.tokens else 0
@@ -353,7 +354,7 @@ def _plan(name: str, loss_chunk: int | None, device: int, host: int, budget: int
     granularity = {"none": None, "selective": "selective"}.get(name, "full")
     return MemoryPlan(name=name, granularity=granularity, save_attention=name == "full_save_attention",
                       recompute=("RMSNorm", "LlamaMLP") if name == "selective" else None,
-                      tiled_mlp_chunk_size=PLAN_MLP_CHUNK if name in ("full_tiled_mlp", "full_offload") else None,
+                      tiled_mlp_chunk_size=PLAN_MLP_CHUNK if name in _TILED_MLP_PLANS else None,
                       tiled_loss_chunk_size=loss_chunk, offload=name == "full_offload", estimate_bytes=device,
                       host_bytes=host, budget_bytes=budget)
 
