@@ -4,12 +4,18 @@
 gloo process group in each and calls ``fn(rank, world_size, *args)``. ``fn`` must be a
 module-level function (it is pickled into spawned processes). An exception in any rank
 fails the calling test with that rank's traceback.
+
+The ranks are forked from the test process where that is safe (see :func:`start_method`):
+a spawned rank re-imports torch, transformers and nxd_lc (6-9 s of CPU each on this
+project's 2-core CI machines), which was most of a multi-process test's time (test_pipeline.py:
+144 s spawned, 21 s forked, on 2 cores).
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import sys
 import tempfile
 import traceback
 from typing import Any, Callable
@@ -39,7 +45,35 @@ def set_launch_env_of_one(setenv: Callable[[str, str], None]) -> None:
         setenv(key, value)
 
 
+# the seed a fresh interpreter's default CPU generator starts from (c10::detail::default_rng_seed_val): a forked
+# rank starts from it as a spawned one does, not from whatever the tests before it left in the test process
+_FRESH_PROCESS_SEED = 67280421310721
+
+
+def fork_is_safe() -> bool:
+    """Whether a child forked from this (test) process starts clean: no process group is initialised here, and
+    torch-xla's runtime (its PJRT client and thread pools, which a child cannot use) has not started here. A module
+    import is not a start: importing torch-xla creates no client. ``NXD_LC_TEST_START_METHOD=spawn`` forces False."""
+    if os.environ.get("NXD_LC_TEST_START_METHOD") == "spawn":
+        return False
+    if dist.is_available() and dist.is_initialized():
+        return False
+    xla = sys.modules.get("torch_xla")
+    return xla is None or not xla._XLAC._xla_runtime_is_initialized()
+
+
+def start_method() -> str:
+    """How :func:`run_distributed` starts its ranks: ``NXD_LC_TEST_START_METHOD`` when set, else ``"fork"`` where
+    :func:`fork_is_safe`, else ``"spawn"``."""
+    return os.environ.get("NXD_LC_TEST_START_METHOD") or ("fork" if fork_is_safe() else "spawn")
+
+
 def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+    from nxd_lc.distributed import parallel_state
+
+    # a forked rank inherits the test process's module state: start from what a fresh interpreter has
+    parallel_state.destroy_model_parallel()
+    torch.manual_seed(_FRESH_PROCESS_SEED)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -69,7 +103,7 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
         try:
             mp.start_processes(
                 _worker, args=(world_size, _free_port(), err_dir, fn, args), nprocs=world_size,
-                join=True, start_method="spawn",
+                join=True, start_method=start_method(),
             )
         except Exception as e:  # surface the worker's own traceback
             msgs = []
