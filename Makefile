@@ -84,8 +84,13 @@ test-extended: install-dev
 test-slurm: install-dev
 	examples/slurm/requeue_test.sh
 
+# the XLA lanes' environment. XLA's CPU backend compiles each graph through LLVM; at optimisation level 0 that takes
+# about half the time (tests/test_xla_dropout.py 57 s -> 29 s on 2 cores). It changes the CPU code XLA generates, not
+# the HLO graphs (their count, hashes and cache hits), and no test here times XLA's CPU code.
+XLA_TEST_ENV = OMP_NUM_THREADS=1 PJRT_DEVICE=CPU XLA_FLAGS="--xla_backend_optimization_level=0 $(XLA_FLAGS)"
+
 test-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
+	$(XLA_TEST_ENV) $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
 		-m "(xla or compat) and not lane1_only and not xla_acceptance and not extended" tests
 
 # not part of `make test`: the XLA test-bed cases lane 2 leaves out for CI time (marker xla_acceptance): every
@@ -93,7 +98,7 @@ test-xla: install-xla
 # cases; lane 2 runs LoRA at PP 2), TP 2 without SP and TP 2 + SP x DP 2 parity, Mixtral's EP 2 parity, PP 2 x VPP 2,
 # the fp32 and manual precision modes (~25 min on 2 cores)
 test-xla-acceptance: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
+	$(XLA_TEST_ENV) $(XLA_PY) -m pytest -q -rs --durations=20 $(XDIST) \
 		-m xla_acceptance \
 		tests/test_xla_alignment.py tests/test_xla_multidevice.py tests/test_xla_pipeline.py \
 		tests/test_precision_xla.py tests/test_precision_xla_mixed.py
@@ -107,7 +112,7 @@ test-nxdt: install-dev
 # trained shrunk through train.py's path on the XLA test bed at its own layout against one device (lane 2 runs the
 # CI subset); tests split over the workers one by one (--dist load)
 test-nxdt-xla: install-xla
-	OMP_NUM_THREADS=1 PJRT_DEVICE=CPU $(XLA_PY) -m pytest -q -rs --durations=30 \
+	$(XLA_TEST_ENV) $(XLA_PY) -m pytest -q -rs --durations=30 \
 		$(if $(filter 0,$(PYTEST_WORKERS)),,-n $(PYTEST_WORKERS) --dist load) -m nxdt_xla \
 		tests/test_nxdt_examples_train_xla.py
 

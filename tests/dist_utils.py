@@ -5,10 +5,9 @@ gloo process group in each and calls ``fn(rank, world_size, *args)``. ``fn`` mus
 module-level function (it is pickled into spawned processes). An exception in any rank
 fails the calling test with that rank's traceback.
 
-The ranks are forked from the test process where that is safe (see :func:`start_method`):
-a spawned rank re-imports torch, transformers and nxd_lc (6-9 s of CPU each on this
-project's 2-core CI machines), which was most of a multi-process test's time (test_pipeline.py:
-144 s spawned, 21 s forked, on 2 cores).
+The ranks are forks of Python's fork server, which has imported torch, transformers, Lightning
+and nxd_lc once (see :func:`start_method`): a spawned rank re-imports them (6-9 s of CPU each on
+this project's 2-core CI machines), which was most of a multi-process test's time.
 """
 
 from __future__ import annotations
@@ -49,13 +48,15 @@ def set_launch_env_of_one(setenv: Callable[[str, str], None]) -> None:
 # rank starts from it as a spawned one does, not from whatever the tests before it left in the test process
 _FRESH_PROCESS_SEED = 67280421310721
 
+#: what the fork server imports once before it forks ranks and test beds: the slow imports of every child
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "pytorch_lightning", "nxd_lc.app.run",
+                      "torch_xla", "torch_xla.core.xla_model"]  # an absent module is skipped
+
 
 def fork_is_safe() -> bool:
     """Whether a child forked from this (test) process starts clean: no process group is initialised here, and
     torch-xla's runtime (its PJRT client and thread pools, which a child cannot use) has not started here. A module
-    import is not a start: importing torch-xla creates no client. ``NXD_LC_TEST_START_METHOD=spawn`` forces False."""
-    if os.environ.get("NXD_LC_TEST_START_METHOD") == "spawn":
-        return False
+    import is not a start: importing torch-xla creates no client."""
     if dist.is_available() and dist.is_initialized():
         return False
     xla = sys.modules.get("torch_xla")
@@ -63,17 +64,46 @@ def fork_is_safe() -> bool:
 
 
 def start_method() -> str:
-    """How :func:`run_distributed` starts its ranks: ``NXD_LC_TEST_START_METHOD`` when set, else ``"fork"`` where
-    :func:`fork_is_safe`, else ``"spawn"``."""
-    return os.environ.get("NXD_LC_TEST_START_METHOD") or ("fork" if fork_is_safe() else "spawn")
+    """How :func:`run_distributed` and the XLA test bed start their children: ``NXD_LC_TEST_START_METHOD`` when set
+    (``spawn``: a fresh interpreter each, as before; ``fork``: a fork of the test process), else ``"forkserver"``.
+
+    Python's fork server is a process this test process starts once (per pytest worker), which imports
+    :data:`FORKSERVER_PRELOAD` and nothing of the tests' state (no pytest capture, logging handlers, warnings filters
+    or torch-xla runtime); each child is a fork of it. A spawned child re-imports torch, transformers, Lightning and
+    nxd_lc: 6-9 s of CPU per process on 2 cores, which was most of a multi-process test's time
+    (``tests/test_pipeline.py``: 144 s spawned, 21 s forked). A child takes the caller's environment and directory
+    at its start (``child_setup``), which the fork server (started once) would not otherwise give it."""
+    chosen = os.environ.get("NXD_LC_TEST_START_METHOD")
+    if chosen:
+        return chosen
+    import multiprocessing
+
+    multiprocessing.set_forkserver_preload(FORKSERVER_PRELOAD)  # takes effect when the server starts
+    return "forkserver"
 
 
-def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple) -> None:
+def child_setup(env: dict[str, str], cwd: str) -> None:
+    """Make a child's process state what a fresh process started from the caller would have: its environment and
+    working directory (a fork server's child has the server's), the torch seed of a fresh interpreter, and no
+    nxd_lc parallel state."""
     from nxd_lc.distributed import parallel_state
 
-    # a forked rank inherits the test process's module state: start from what a fresh interpreter has
+    os.chdir(cwd)
+    os.environ.clear()
+    os.environ.update(env)
     parallel_state.destroy_model_parallel()
     torch.manual_seed(_FRESH_PROCESS_SEED)
+
+
+def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple,
+            env: dict[str, str], cwd: str) -> None:
+    # the rank's output, shown with its traceback when it fails (a fork server's child writes where the server does)
+    log = os.open(os.path.join(err_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    child_setup(env, cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size),
@@ -85,6 +115,8 @@ def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
+        sys.stdout.flush()
+        sys.stderr.flush()
         raise
     finally:
         try:
@@ -102,14 +134,17 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> None
     with tempfile.TemporaryDirectory() as err_dir:
         try:
             mp.start_processes(
-                _worker, args=(world_size, _free_port(), err_dir, fn, args), nprocs=world_size,
-                join=True, start_method=start_method(),
+                _worker, args=(world_size, _free_port(), err_dir, fn, args, dict(os.environ), os.getcwd()),
+                nprocs=world_size, join=True, start_method=start_method(),
             )
         except Exception as e:  # surface the worker's own traceback
             msgs = []
             for name in sorted(os.listdir(err_dir)):
-                with open(os.path.join(err_dir, name)) as f:
-                    msgs.append(f"--- {name} ---\n{f.read()}")
+                with open(os.path.join(err_dir, name), errors="replace") as f:
+                    text = f.read()
+                if name.endswith(".log"):  # a rank's output: its tail
+                    text = text[-4000:]
+                msgs.append(f"--- {name} ---\n{text}")
             raise AssertionError("distributed worker failed:\n" + "\n".join(msgs)) from e
 
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 
+import launch
 import pytest
 import torch
 
@@ -20,9 +21,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 
 
-def _run(args: list[str], timeout: float = 600) -> subprocess.CompletedProcess:
+def _run(args: list[str], timeout: float = 600, real_torchrun: bool = False) -> subprocess.CompletedProcess:
+    """Run a command from the repository root; a torchrun command's ranks are forks of the tests' fork server
+    (``tests/launch.py``) unless ``real_torchrun``."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(args, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+    runner = subprocess.run if real_torchrun else launch.run
+    return runner(args, check=False, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
 @pytest.mark.compat
@@ -85,7 +89,7 @@ def _train_cmd(log_dir: str, corpus: str, cache: str, max_steps: int) -> list[st
 def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     corpus = _small_corpus(str(tmp_path))
     log_dir, cache = str(tmp_path / "run"), str(tmp_path / "cache")
-    first = _run(_train_cmd(log_dir, corpus, cache, max_steps=4))
+    first = _run(_train_cmd(log_dir, corpus, cache, max_steps=4), real_torchrun=True)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     ckpt_root = os.path.join(log_dir, "checkpoints")
     tags = sorted(t for t in os.listdir(ckpt_root) if os.path.isdir(os.path.join(ckpt_root, t)))
@@ -100,7 +104,7 @@ def test_torchrun_tp2_sp_train_checkpoint_resume(tmp_path) -> None:
     assert glob.glob(os.path.join(log_dir, "tensorboard", "events.out.tfevents.*"))
     assert "val_loss" in first.stdout + first.stderr or glob.glob(os.path.join(log_dir, "*.txt"))
 
-    second = _run(_train_cmd(log_dir, corpus, cache, max_steps=6))
+    second = _run(_train_cmd(log_dir, corpus, cache, max_steps=6), real_torchrun=True)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert f"resuming from {last}" in second.stdout
     tags = sorted(t for t in os.listdir(ckpt_root) if os.path.isdir(os.path.join(ckpt_root, t)))

@@ -25,11 +25,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import launch
 import pytest
 import torch
 import yaml
@@ -300,7 +300,7 @@ def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Pat
     cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", "--config-path", str(path.parent),
            "--config-name", path.stem, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
+    out = launch.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600, check=False)
     text = out.stdout + out.stderr
     assert out.returncode == 0, f"{source}/{path.name} {overrides}\n{text[-5000:]}"
     assert "step 2/2 | loss" in text, text[-3000:]

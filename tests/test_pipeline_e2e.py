@@ -13,6 +13,7 @@ import re
 import subprocess
 import sys
 
+import launch
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -42,8 +43,8 @@ def _convert(conf_overrides: list[str], tag: str, out_dir: str, nproc: int) -> d
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "nxd_lc.cli.convert", "--config-name", "cpu_tiny_llama_config", "--checkpoint", tag,
            "--output", out_dir, "--save-tokenizer", "false", *conf_overrides]
-    proc = subprocess.run(cmd, check=False, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=300)
+    proc = launch.run(cmd, check=False, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                      capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return load_file(os.path.join(out_dir, "model.safetensors"))
 

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
+import launch
 import pytest
 
 pytest.importorskip("gguf", reason="the SmolLM2 path needs the gguf package (dev extra)")
@@ -54,7 +54,7 @@ def _run(config: str, model: Path, data: Path, log_dir: Path, weights: Path, ext
            "trainer.limit_val_batches=1", "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
            "+trainer.enable_progress_bar=false", "model.optim.sched.warmup_steps=1", *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
-    out = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
+    out = launch.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900, check=False)
     text = out.stdout + out.stderr
     assert out.returncode == 0, text[-6000:]
     return text

@@ -102,21 +102,71 @@ def run_on_xla_devices(target: str, devices: int, kwargs: dict[str, Any] | None 
                str(devices), "--out", out, "--wait-timeout-s", str(wait_timeout_s), "--kwargs",
                json.dumps(kwargs or {})]
         t0 = time.monotonic()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
-                                  check=False)
-            output = proc.stdout[-4000:] + proc.stderr[-6000:]
-            rc: int | None = proc.returncode
-        except subprocess.TimeoutExpired as e:
-            output = ((e.stdout or b"").decode(errors="replace")[-4000:]
-                      + (e.stderr or b"").decode(errors="replace")[-6000:])
-            rc = None
+        rc: int | None
+        from dist_utils import start_method  # tests/ is on the path: the test's own or this script's directory
+
+        method = start_method()
+        if method != "spawn":
+            rc, output = _run_forked(target, devices, out, wait_timeout_s, kwargs or {}, env, tmp, timeout_s, method)
+        else:
+            try:
+                proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s,
+                                      check=False)
+                output = proc.stdout[-4000:] + proc.stderr[-6000:]
+                rc = proc.returncode
+            except subprocess.TimeoutExpired as e:
+                output = ((e.stdout or b"").decode(errors="replace")[-4000:]
+                          + (e.stderr or b"").decode(errors="replace")[-6000:])
+                rc = None
         report = json.load(open(out)) if os.path.exists(out) else None
         if report is not None and report.get("ok") and rc == 0:
             return TestbedRun(report["results"], report.get("cuts", []), time.monotonic() - t0)
         what = (report or {}).get("error") or (f"the test bed overran {timeout_s} s" if rc is None
                                                else f"the test bed exited with {rc} and no report")
         raise AssertionError(f"XLA test bed, {target} on {devices} devices: {what}\n--- output tail ---\n{output}")
+
+
+def _run_forked(target: str, devices: int, out: str, wait_timeout_s: float, kwargs: dict[str, Any],
+                env: dict[str, str], tmp: str, timeout_s: float, method: str) -> tuple[int | None, str]:
+    """The test bed's child started by ``multiprocessing`` with ``method`` (``"forkserver"``: a fork of Python's fork
+    server, which imported torch, torch-xla, Lightning and nxd_lc once, see ``dist_utils.start_method``; a spawned
+    test bed re-imports them, about 8 s of CPU per run on 2 cores). The child takes ``env`` as its whole environment
+    and the repository as its directory, writes its output to a file and runs :func:`_child`. Returns its exit code
+    (None: killed after ``timeout_s``) and its output tail."""
+    import multiprocessing
+
+    log = os.path.join(tmp, "output.txt")
+    proc = multiprocessing.get_context(method).Process(
+        target=_forked_child, args=(target, devices, out, wait_timeout_s, kwargs, env, log), name="xla-testbed")
+    proc.start()
+    proc.join(timeout_s)
+    rc: int | None = proc.exitcode
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        rc = None
+    text = open(log, errors="replace").read() if os.path.exists(log) else ""
+    return rc, text[-10000:]
+
+
+def _forked_child(target: str, devices: int, out: str, wait_timeout_s: float, kwargs: dict[str, Any],
+                  env: dict[str, str], log: str) -> None:
+    """Entry of a forked test bed (:func:`_run_forked`): output to ``log``, then :func:`_child`, which leaves with
+    ``os._exit``; an exception before it exits with ``EXIT_RANK_ERROR`` after printing its traceback."""
+    from dist_utils import child_setup
+
+    try:
+        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        child_setup(env, REPO)
+        _child(target, devices, out, wait_timeout_s, kwargs)
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+    os._exit(EXIT_RANK_ERROR)
 
 
 # ---- child side ----------------------------------------------------------------------------------------------------
