@@ -49,8 +49,9 @@ def set_launch_env_of_one(setenv: Callable[[str, str], None]) -> None:
 _FRESH_PROCESS_SEED = 67280421310721
 
 #: what the fork server imports once before it forks ranks and test beds: the slow imports of every child
-FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "pytorch_lightning", "nxd_lc.app.run",
-                      "torch_xla", "torch_xla.core.xla_model"]  # an absent module is skipped
+#: (not torch-xla: importing it installs a root logging handler, which a CPU run's process, which never imports it,
+#: does not have, and then nxd_lc's logging setup leaves the root logger alone: its log lines go to stderr)
+FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "pytorch_lightning", "nxd_lc.app.run"]
 
 
 def fork_is_safe() -> bool:

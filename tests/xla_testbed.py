@@ -451,7 +451,14 @@ def _install_rank_views(bed: _Bed) -> None:
         def rank(self, value: int) -> None:  # Lightning sets it per strategy: the thread's own rank wins
             pass
 
-    rank_zero.rank_zero_only = _RankZeroOnly()  # type: ignore[assignment]
+    view = _RankZeroOnly()
+    rank_zero.rank_zero_only = view  # type: ignore[assignment]
+    # modules imported before this point (a fork server's preload: Lightning's loggers and strategies) hold the
+    # original under their own names; a module imported after it binds the view
+    for module in list(sys.modules.values()):
+        for name, value in list(getattr(module, "__dict__", {}).items()):
+            if value is original:
+                setattr(module, name, view)
 
 
 def _install_lightning_patch_guard() -> None:
