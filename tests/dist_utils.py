@@ -54,16 +54,6 @@ _FRESH_PROCESS_SEED = 67280421310721
 FORKSERVER_PRELOAD = ["torch", "torch.distributed", "transformers", "pytorch_lightning", "nxd_lc.app.run"]
 
 
-def fork_is_safe() -> bool:
-    """Whether a child forked from this (test) process starts clean: no process group is initialised here, and
-    torch-xla's runtime (its PJRT client and thread pools, which a child cannot use) has not started here. A module
-    import is not a start: importing torch-xla creates no client."""
-    if dist.is_available() and dist.is_initialized():
-        return False
-    xla = sys.modules.get("torch_xla")
-    return xla is None or not xla._XLAC._xla_runtime_is_initialized()
-
-
 def start_method() -> str:
     """How :func:`run_distributed` and the XLA test bed start their children: ``NXD_LC_TEST_START_METHOD`` when set
     (``spawn``: a fresh interpreter each, as before; ``fork``: a fork of the test process), else ``"forkserver"``.
@@ -83,6 +73,20 @@ def start_method() -> str:
     return "forkserver"
 
 
+def redirect_output(stdout_path: str, stderr_path: str | None = None, append: bool = False) -> None:
+    """Point this process's file descriptors 1 and 2, and ``sys.stdout`` / ``sys.stderr`` (line-buffered), at files:
+    ``stdout_path``, and ``stderr_path`` or the same file. A fork server's child otherwise writes where the server
+    does. ``append``: several processes share the files (each write lands at the end); else they are truncated."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC)
+    out = os.open(stdout_path, flags, 0o644)
+    os.dup2(out, 1)
+    os.dup2(out if stderr_path is None else os.open(stderr_path, flags, 0o644), 2)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+
+
 def child_setup(env: dict[str, str], cwd: str) -> None:
     """Make a child's process state what a fresh process started from the caller would have: its environment and
     working directory (a fork server's child has the server's), the torch seed of a fresh interpreter, and no
@@ -98,12 +102,7 @@ def child_setup(env: dict[str, str], cwd: str) -> None:
 
 def _worker(rank: int, world_size: int, port: int, err_dir: str, fn: Callable[..., Any], args: tuple,
             env: dict[str, str], cwd: str) -> None:
-    # the rank's output, shown with its traceback when it fails (a fork server's child writes where the server does)
-    log = os.open(os.path.join(err_dir, f"rank{rank}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.dup2(log, 1)
-    os.dup2(log, 2)
+    redirect_output(os.path.join(err_dir, f"rank{rank}.log"))  # shown with the rank's traceback when it fails
     child_setup(env, cwd)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size),

@@ -32,7 +32,7 @@ import time
 import uuid
 from typing import Any
 
-from dist_utils import _free_port, child_setup, start_method
+from dist_utils import _free_port, child_setup, redirect_output, start_method
 
 _TORCHRUN_MODULE = "torch.distributed.run"
 
@@ -66,7 +66,7 @@ def _parse(cmd: list[str]) -> tuple[int, bool, str, list[str]] | None:
     return int(nproc), False, rest[i], rest[i + 1:]
 
 
-def _rank_main(rank: int, nproc: int, is_module: bool, target: str, args: list[str], env: dict[str, str], cwd: str,
+def _rank_main(rank: int, is_module: bool, target: str, args: list[str], env: dict[str, str], cwd: str,
                out_path: str, err_path: str) -> None:
     """One rank (a fork of the fork server): output appended to the launch's two files, the rank's torchrun
     environment, then the script or module as ``__main__``; ends as an interpreter does (non-daemon threads joined,
@@ -76,10 +76,7 @@ def _rank_main(rank: int, nproc: int, is_module: bool, target: str, args: list[s
     import threading
     import traceback
 
-    for fd, path in ((1, out_path), (2, err_path)):
-        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644), fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    redirect_output(out_path, err_path, append=True)
     child_setup(env, cwd)
     from lightning_utilities.core.rank_zero import rank_zero_only
 
@@ -145,7 +142,7 @@ def run(cmd: list[str], *, check: bool = False, cwd: str | None = None, env: dic
                         "TORCHELASTIC_USE_AGENT_STORE": "False"}
             rank_env.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several processes
             p = ctx.Process(target=_rank_main, name=f"rank{rank}",
-                            args=(rank, nproc, is_module, target, args, rank_env, cwd, out_path, err_path))
+                            args=(rank, is_module, target, args, rank_env, cwd, out_path, err_path))
             p.start()
             procs.append(p)
         deadline = None if timeout is None else time.monotonic() + timeout

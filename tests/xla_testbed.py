@@ -129,8 +129,8 @@ def run_on_xla_devices(target: str, devices: int, kwargs: dict[str, Any] | None 
 def _run_forked(target: str, devices: int, out: str, wait_timeout_s: float, kwargs: dict[str, Any],
                 env: dict[str, str], tmp: str, timeout_s: float, method: str) -> tuple[int | None, str]:
     """The test bed's child started by ``multiprocessing`` with ``method`` (``"forkserver"``: a fork of Python's fork
-    server, which imported torch, torch-xla, Lightning and nxd_lc once, see ``dist_utils.start_method``; a spawned
-    test bed re-imports them, about 8 s of CPU per run on 2 cores). The child takes ``env`` as its whole environment
+    server, which imported torch, transformers, Lightning and nxd_lc once, see ``dist_utils.start_method``; a
+    spawned test bed re-imports them). The child takes ``env`` as its whole environment
     and the repository as its directory, writes its output to a file and runs :func:`_child`. Returns its exit code
     (None: killed after ``timeout_s``) and its output tail."""
     import multiprocessing
@@ -153,14 +153,10 @@ def _forked_child(target: str, devices: int, out: str, wait_timeout_s: float, kw
                   env: dict[str, str], log: str) -> None:
     """Entry of a forked test bed (:func:`_run_forked`): output to ``log``, then :func:`_child`, which leaves with
     ``os._exit``; an exception before it exits with ``EXIT_RANK_ERROR`` after printing its traceback."""
-    from dist_utils import child_setup
+    from dist_utils import child_setup, redirect_output
 
     try:
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        redirect_output(log)
         child_setup(env, REPO)
         _child(target, devices, out, wait_timeout_s, kwargs)
     except BaseException:
