@@ -21,7 +21,6 @@ from transformers import LlamaConfig
 
 from benchmarks.memory_estimate import LiveBytesTracker
 from nxd_lc.config.schema import ModelConfig
-from nxd_lc.models.common import checkpointing
 from nxd_lc.models.common import memory_plan as mp
 from nxd_lc.models.common.checkpointing import apply_memory_techniques
 from nxd_lc.models.llama import LlamaForCausalLM
@@ -75,27 +74,35 @@ def test_planner_takes_the_fastest_plan_that_fits() -> None:
     none = mp.estimate_bytes(s, "none")[0]
     assert mp.choose_memory_plan(s, 1.0).name == "none" and mp.choose_memory_plan(s, 1.0).tiled_loss_chunk_size is None
     previous = 0
-    for budget in (0.9, 0.6, 0.3, 0.1, 0.05, 0.03):
+    for budget in (0.9, 0.6, 0.3, 0.1, 0.05, 0.03, 0.026):
         plan = mp.choose_memory_plan(s, budget)
         assert plan.estimate_bytes <= budget * none, (budget, plan)
         index = mp.PLAN_ORDER.index(plan.name)
         assert index >= previous, (budget, plan.name)  # less memory never buys a faster plan
         previous = index
     assert previous == mp.PLAN_ORDER.index("full_offload")
-    offload = mp.choose_memory_plan(s, 0.03)
-    assert offload.offload and offload.host_bytes == 16 * 131072 * 2048 * 2  # every layer input, bf16
-    full = mp.choose_memory_plan(s, f"{mp.estimate_bytes(s, 'full', 1024)[0] / 2**30 + 0.01:.3f}GiB")
+    kept_attention = mp.choose_memory_plan(s, 0.03)  # inputs, attention outputs (bf16) and log-sum-exps (fp32)
+    assert kept_attention.name == "full_save_attention_offload" and kept_attention.offload
+    assert kept_attention.save_attention and kept_attention.tiled_mlp_chunk_size == mp.PLAN_MLP_CHUNK
+    assert kept_attention.host_bytes == 16 * 131072 * (2048 * 2 + 32 * 64 * 2 + 32 * 4)
+    offload = mp.choose_memory_plan(s, 0.026)
+    assert offload.name == "full_offload" and offload.host_bytes == 16 * 131072 * 2048 * 2  # every layer input
+    full = mp.choose_memory_plan(s, f"{mp.estimate_bytes(s, 'full', 1024)[0] / 2**30 + 0.01:.3f}GiB",
+                                 allow_offload=False)
     assert full.name == "full" and full.tiled_mlp_chunk_size is None  # tiled MLP only where its chunk matters
     with pytest.raises(ValueError, match="model.activations_memory_budget: '1MiB'.*below the smallest plan"):
         mp.choose_memory_plan(s, "1MiB")
     compiled = mp.choose_memory_plan(s, 0.06, allow_offload=False)
-    assert compiled.name != "full_offload"
+    assert compiled.name == "full_tiled_mlp" and not compiled.offload
+    assert mp.offload_allowed("gpu", compiled=False) and mp.offload_allowed("neuron_native", compiled=False)
+    assert not mp.offload_allowed("gpu", compiled=True) and not mp.offload_allowed("cpu", compiled=False)
 
 
 def test_planner_keeps_attention_outputs_between_selective_and_full() -> None:
     """Issue 41, item 2: a budget between full recomputation's estimate and that plus each layer's attention output
     and log-sum-exp ([T, Hq] bf16 + [heads, T] fp32 per layer, by hand below) keeps them (the recomputation skips
-    the attention); below it, full recomputation; on torch-xla (lazy) never (no selective policy there)."""
+    the attention); below it, they and the layer inputs go to the host, or (no offload) full recomputation; on
+    torch-xla (lazy) never (no selective policy there)."""
     t, layers, heads, dh = 131072, 16, 32, 64
     s = _shape(torch.bfloat16, tokens=t, hidden=2048, head_dim=dh, heads_local=heads, kv_heads_local=8,
                intermediate_local=8192, vocab_local=128256, layers=layers)
@@ -106,7 +113,15 @@ def test_planner_keeps_attention_outputs_between_selective_and_full() -> None:
     plan = mp.choose_memory_plan(s, budget)
     assert plan.name == "full_save_attention" and plan.granularity == "full" and plan.save_attention
     assert plan.model_keys()["activations_checkpoint_save_attention"] is True
-    assert mp.choose_memory_plan(s, f"{(full + kept_attention) / 2**30 - 0.01:.3f}GiB").name == "full"
+    below = f"{(full + kept_attention) / 2**30 - 0.01:.3f}GiB"
+    assert mp.choose_memory_plan(s, below, allow_offload=False).name == "full"
+    # where offload can run: they go to the host with each layer's input; the device keeps two layers' worth (the
+    # one whose backward runs, the one prefetched) on top of the tiled working set
+    offloaded = mp.choose_memory_plan(s, below)
+    assert offloaded.name == "full_save_attention_offload" and offloaded.save_attention and offloaded.offload
+    layer_input, attention = t * 2048 * 2, t * (2 * heads * dh + 4 * heads)
+    assert offloaded.host_bytes == layers * (layer_input + attention)
+    assert offloaded.estimate_bytes == (mp.estimate_bytes(s, "full_offload", 1024)[0] + 2 * attention)
     lazy = mp.choose_memory_plan(s, budget, lazy=True)
     assert lazy.name == "full" and not lazy.save_attention
     tiled = mp.estimate_bytes(s, "full_tiled_mlp", 1024)[0]  # below it only offload, which torch-xla cannot run
@@ -126,15 +141,16 @@ def test_budget_forms() -> None:
 
 @pytest.mark.compat
 def test_offload_moves_layer_inputs_and_keeps_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
-    packed: list[tuple[int, ...]] = []
+    from nxd_lc.runtime import offload
 
-    def recording_context(pin_memory: bool) -> Any:  # the real hooks' role, with a record of what they receive
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            packed.append(tuple(t.shape))
-            return t.detach().clone()
-        return torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    offloaded: list[tuple[int, ...]] = []
+    original = offload.OffloadGroup.offload
 
-    monkeypatch.setattr(checkpointing, "offload_context", recording_context)
+    def recording(self: offload.OffloadGroup, tensor: torch.Tensor) -> int:
+        offloaded.append(tuple(tensor.shape))
+        return original(self, tensor)
+
+    monkeypatch.setattr(offload.OffloadGroup, "offload", recording)
     torch.manual_seed(0)
     ref = LlamaForCausalLM(CFG)
     off = LlamaForCausalLM(CFG)
@@ -146,8 +162,7 @@ def test_offload_moves_layer_inputs_and_keeps_gradients(monkeypatch: pytest.Monk
     for model in (ref, off):
         loss_sum, n = model.loss(ids, labels)
         (loss_sum / n).backward()
-    hidden = [s for s in packed if s == (2, 48, 64)]
-    assert len(hidden) == 3  # each layer's input, once (the tiled MLP's 20-token chunks recompute inside backward)
+    assert offloaded == [(2, 48, 64)] * 3  # each layer's input, once (not the RoPE tables every layer shares)
     for (name, p), q in zip(ref.named_parameters(), off.parameters()):
         torch.testing.assert_close(q.grad, p.grad, atol=1e-6, rtol=1e-5, msg=name)
     with pytest.raises(ValueError, match="model.activations_offload: true needs"):
@@ -173,6 +188,14 @@ def test_budget_config_rules() -> None:
         load_config(raw(activations_memory_budget="plenty"))
     with pytest.raises(ConfigError, match=r"model.activations_offload: true offloads the inputs of whole"):
         load_config(raw(activations_offload=True))
+    from nxd_lc.app.validation import memory
+
+    both = load_config(raw(activations_offload=True, activations_checkpoint_granularity="full",
+                           activations_checkpoint_save_attention=True))  # the attention outputs go to the host too
+    assert memory._plan_name(both)[0] == "full_save_attention_offload"
+    assert memory._plan_name(load_config(raw(activations_offload=True, activations_checkpoint_granularity="full"))
+                             )[0] == "full_offload"
+    assert not memory._offload_allowed(both)  # trainer.accelerator cpu: host memory is the device's
     with pytest.raises(ConfigError, match=r"model.activations_offload: not supported with model.compile: true"):
         load_config(raw(activations_offload=True, activations_checkpoint_granularity="full", compile=True))
 

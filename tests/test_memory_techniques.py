@@ -48,6 +48,10 @@ VARIANTS: list[tuple[str, dict[str, Any]]] = [
     ("selective_save_attention", {"activations_checkpoint_granularity": "selective",
                                   "activations_checkpoint_recompute": ["LlamaAttention", "LlamaMLP"],
                                   "activations_checkpoint_save_attention": True}),
+    ("full_offload", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5,
+                      "activations_offload": True}),
+    ("full_save_attention_offload", {"activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 5,
+                                     "activations_checkpoint_save_attention": True, "activations_offload": True}),
     ("selective_tiled_mlp", {"activations_checkpoint_granularity": "selective", "tiled_mlp_chunk_size": 4,
                              "activations_checkpoint_recompute": ["LlamaMLP"]}),
     ("all", {"tiled_loss_chunk_size": 7, "tiled_mlp_chunk_size": 5, "activations_checkpoint_granularity": "selective",
@@ -396,6 +400,15 @@ def _tp_worker(rank: int, world: int) -> None:
     for label, cfg in VARIANTS:
         loss, grads = _step(_model(config, sp=True, **cfg), batch)
         _assert_same(loss, grads, plain, atol=1e-6, label=f"tp2+sp {label} vs tp2+sp plain")
+    # offload that really copies (on a CPU machine the host is the device: tests/test_activation_offload.py)
+    from nxd_lc.runtime.offload import ActivationOffloader
+
+    model = _model(config, sp=True, **dict(VARIANTS)["full_save_attention_offload"])
+    copying = ActivationOffloader(copy_on_same_device=True)
+    for layer in model.layers:
+        layer._nxd_checkpoint_offload = copying
+    loss, grads = _step(model, batch)
+    _assert_same(loss, grads, plain, atol=1e-6, label="tp2+sp offload with copies vs tp2+sp plain")
     # per-token tiled CE (recomputed chunks, collectives re-run in backward) under SP, weighted per token
     model = _model(config, sp=True)
     weights = torch.linspace(0.5, 1.5, B * S).view(B, S)

@@ -121,7 +121,10 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
         tensor_parallel=ds.tensor_model_parallel_size, sequence_parallel=ds.sequence_parallel)
     if checkpointed:
         log.info("activation checkpointing (%s%s): %d modules recomputed in backward",
-                 m.activations_checkpoint_granularity, ", inputs offloaded to host" if m.activations_offload else "",
+                 m.activations_checkpoint_granularity,
+                 ", inputs and attention outputs offloaded to host" if m.activations_offload
+                 and m.activations_checkpoint_save_attention else ", inputs offloaded to host" if m.activations_offload
+                 else "",
                  len(checkpointed))
     peft = peft_config(cfg)
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name

@@ -302,7 +302,7 @@ class ModelConfig:
     activations_checkpoint_save_attention: bool = False  # checkpointed modules keep attention outputs (no O(S^2) redo)
     activations_checkpoint_method: Optional[str] = None  # with 'full': null/uniform (every layer) | block (first N)
     activations_checkpoint_num_layers: Optional[int] = None  # 'block': layers checkpointed per pipeline stage
-    activations_offload: bool = False  # with 'full': keep each recomputed layer's input in host memory (ALST)
+    activations_offload: bool = False  # with 'full': recomputed layers' inputs (+ kept attention) in host memory
     activations_memory_budget: Optional[Any] = None  # fraction in (0, 1] or '40GiB': nxd_lc picks the memory plan
     pipeline_cuts: Optional[List[str]] = None  # last layer of each pipeline stage but the last, e.g. [model.layers.18]
     fusions: FusionsConfig = field(default_factory=FusionsConfig)

@@ -27,7 +27,8 @@ The estimate, per rank (the pipeline rank that needs the most), in bytes:
   plan ``none``, ``selective`` -> the listed modules' parts recomputed (norms, MLP, the attention kernel, the SwiGLU
   product: :data:`~nxd_lc.models.common.memory_plan.RECOMPUTE_PARTS`; other names counted as not recomputed, an
   upper bound, with a note), ``full`` -> ``full`` (with a tiled MLP ``full_tiled_mlp``, with offload
-  ``full_offload``, with ``activations_checkpoint_save_attention`` ``full_save_attention``), ``block`` with N
+  ``full_offload``, with ``activations_checkpoint_save_attention`` ``full_save_attention``, with both
+  ``full_save_attention_offload``), ``block`` with N
   layers -> N layers ``full`` and the rest ``none``; a memory budget (``activations_memory_budget``) -> the plan it
   chooses. ``T`` = micro batch x sequence / CP tokens (x 2 for DPO /
   ORPO pairs). What a micro-batch keeps from its forward to its backward counts once per micro-batch in flight,
@@ -64,6 +65,7 @@ from nxd_lc.models.common.memory_plan import (
     PlanShape,
     choose_memory_plan,
     estimate_split,
+    offload_allowed,
     recompute_parts,
 )
 
@@ -437,7 +439,7 @@ def _activation_split(a: Architecture, cfg: NxdConfig, layers: int, head: bool,
                       element_size=(policy.autocast_dtype or policy.param_dtype).itemsize, head=head)
     plan, loss_chunk, note, parts = _plan_name(cfg)
     if m.activations_memory_budget is not None:
-        chosen = choose_memory_plan(shape, m.activations_memory_budget, allow_offload=m.compile is not True,
+        chosen = choose_memory_plan(shape, m.activations_memory_budget, allow_offload=_offload_allowed(cfg),
                                     lazy=_runs_lockstep(cfg))
         plan, loss_chunk, parts = chosen.name, chosen.tiled_loss_chunk_size, None
     if plan == "block":
@@ -487,6 +489,21 @@ def _runs_lockstep(cfg: NxdConfig) -> bool:
     return is_lazy_config_accelerator(str(cfg.trainer.accelerator))
 
 
+def _offload_allowed(cfg: NxdConfig) -> bool:
+    """Whether the run's planner may choose an offload plan (:func:`~nxd_lc.models.common.memory_plan.
+    offload_allowed` on ``trainer.accelerator`` resolved on this host, with ``model.compile`` decided as the run
+    decides it)."""
+    from nxd_lc.app.build import decoder_compiled
+    from nxd_lc.runtime.device import resolve_accelerator
+
+    accelerator = str(cfg.trainer.accelerator)
+    try:
+        accelerator = resolve_accelerator(accelerator)
+    except (ValueError, RuntimeError):  # reported by the device checks; the configured name is the best guess
+        pass
+    return offload_allowed(accelerator, decoder_compiled(cfg, accelerator))
+
+
 def _plan_name(cfg: NxdConfig) -> tuple[str, int | None, str | None, frozenset[str] | None]:
     """The :mod:`~nxd_lc.models.common.memory_plan` plan that bounds the configured recomputation (module
     docstring), the tiled loss chunk, a note where the bound is loose, and a selective plan's recomputed parts."""
@@ -496,7 +513,8 @@ def _plan_name(cfg: NxdConfig) -> tuple[str, int | None, str | None, frozenset[s
         if m.activations_checkpoint_method == "block" and m.activations_checkpoint_num_layers:
             return "block", chunk, None, None
         if m.activations_offload:
-            return "full_offload", chunk, None, None
+            return ("full_save_attention_offload" if m.activations_checkpoint_save_attention else "full_offload"), \
+                chunk, None, None
         if m.activations_checkpoint_save_attention:  # with a tiled MLP: its untiled working set, an upper bound
             return "full_save_attention", chunk, None, None
         tiled = m.tiled_mlp_chunk_size is not None and m.tiled_mlp_chunk_size <= PLAN_MLP_CHUNK

@@ -54,8 +54,8 @@ def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
     """``model.activations_memory_budget`` (:mod:`nxd_lc.models.common.memory_plan`): a valid budget, and the memory
     keys it chooses not also set by hand (one of the two would be ignored); not with pipeline parallelism (the
     schedule keeps several micro-batches' activations, which the estimate does not model).
-    ``model.activations_offload``: whole recomputed layers (``full``), not with ``..._save_attention`` nor with
-    ``model.compile: true`` (the offloading checkpoint is reentrant, which dynamo does not trace)."""
+    ``model.activations_offload``: whole recomputed layers (``full``; with ``..._save_attention`` their attention
+    outputs go to the host too), not with ``model.compile: true`` (dynamo does not trace the offload hooks)."""
     m, p = cfg.model, []
     budget = m.activations_memory_budget
     if budget is not None:
@@ -76,9 +76,9 @@ def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
                      "estimate does not model the micro-batches a pipeline schedule keeps); set the memory keys by "
                      "hand")
     elif m.activations_offload:
-        if m.activations_checkpoint_granularity != "full" or m.activations_checkpoint_save_attention:
+        if m.activations_checkpoint_granularity != "full":
             p.append("model.activations_offload: true offloads the inputs of whole recomputed layers: it needs "
-                     "model.activations_checkpoint_granularity: full and activations_checkpoint_save_attention: false")
+                     "model.activations_checkpoint_granularity: full")
     if lazy_neuron_or_xla(cfg.trainer.accelerator):  # torch-xla's checkpoint: whole modules, reentrant
         for key in ("activations_checkpoint_save_attention", "activations_offload"):
             if getattr(m, key):
@@ -86,8 +86,8 @@ def budget_and_offload_problems(cfg: NxdConfig) -> list[str]:
                          "(torch-xla's activation checkpoint recomputes whole modules: no selective policy, no "
                          "offload hooks); set it false")
     if m.activations_offload and m.compile is True:
-        p.append("model.activations_offload: not supported with model.compile: true (the offloading checkpoint is "
-                 "reentrant, which torch.compile does not trace); set model.compile: auto or false")
+        p.append("model.activations_offload: not supported with model.compile: true (torch.compile does not trace "
+                 "the offload's saved-tensor hooks); set model.compile: auto or false")
     return p
 
 

@@ -32,8 +32,11 @@ arXiv:1604.06174; non-reentrant checkpointing as in torch). Parameter names and 
 region (sequence-parallel all-gathers, reduce-scatters, context-parallel exchanges) are re-run identically on
 every rank in backward. Under ``torch.no_grad`` the original forward runs.
 
-``activations_offload: true`` (nxd_lc; with ``full``) -- each recomputed layer's inputs are kept in host memory
-between forward and backward (:func:`_offloaded_checkpoint`).
+``activations_offload: true`` (nxd_lc; with ``full``) -- each recomputed layer's input is kept in host memory
+between forward and backward, and with ``activations_checkpoint_save_attention`` so are the attention kernel's
+output and log-sum-exp: the device keeps no activation per layer, and the recomputation still skips the attention
+(:func:`_offloaded_checkpoint`; copies on a side stream, prefetched one layer ahead:
+:mod:`nxd_lc.runtime.offload`).
 
 :func:`apply_memory_techniques` applies ``model.tiled_loss_chunk_size``, ``model.tiled_mlp_chunk_size`` and the
 activation checkpointing keys to a constructed :class:`~nxd_lc.models.llama.model.LlamaForCausalLM`.
@@ -43,16 +46,20 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 from torch import nn
 from torch.compiler import is_compiling
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from nxd_lc.config.schema import CHECKPOINT_METHODS, checkpoint_method_problems
 from nxd_lc.layers.tiled import check_chunk_size, discard_tiled_outputs
 from nxd_lc.models.common.mlp import GeluMLP, LlamaMLP
+from nxd_lc.runtime.offload import ActivationOffloader, OffloadGroup
 from nxd_lc.runtime.xla import is_xla_tensor
 
 if TYPE_CHECKING:
@@ -70,6 +77,7 @@ GRANULARITIES = (None, "selective", "full")
 #: NxDT's module class names for ``activations_checkpoint_recompute`` that differ from nxd_lc's.
 NXDT_MODULE_ALIASES = {"LlamaRMSNorm": "RMSNorm"}
 _FLAG = "_nxd_activation_checkpointed"
+log = logging.getLogger(__name__)
 
 
 def decoder_layers(model: nn.Module) -> list[tuple[int, nn.Module]]:
@@ -138,17 +146,18 @@ def _checkpointed_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     tensor for backward: ``LlamaDecoderLayer``, ``LlamaMLP``), the recomputation skips the tiled MLP's chunk
     forwards (see :func:`nxd_lc.layers.tiled.discard_tiled_outputs`). With
     ``activations_checkpoint_save_attention`` the attention outputs are kept (module docstring). With
-    ``activations_offload`` the inputs go to host memory (:func:`_offloaded_checkpoint`).
+    ``activations_offload`` the input (and the kept attention outputs) go to host memory
+    (:func:`_offloaded_checkpoint`).
     """
     forward = type(module).forward
     if not torch.is_grad_enabled():
         return forward(module, *args, **kwargs)
     if any(isinstance(a, torch.Tensor) and is_xla_tensor(a) for a in args):
         return _xla_checkpoint(forward, module, args, kwargs)
-    if getattr(module, _OFFLOAD, False) and not kwargs and args and isinstance(args[0], torch.Tensor) \
-            and args[0].requires_grad:
-        return _offloaded_checkpoint(forward, module, *args)
     save_attention = bool(getattr(module, _SAVE_ATTENTION, False))
+    offloader = getattr(module, _OFFLOAD, None)
+    if offloader is not None:
+        return _offloaded_checkpoint(forward, module, offloader, save_attention, args, kwargs)
     # traced (model.compile): dynamo accepts a context_fn only when it is selective checkpointing's, and the
     # traced tiled MLP is per-chunk checkpoints that the discard flag does not touch; selective checkpointing
     # (save_attention) needs the recomputation to run the forward's ops, so it keeps the tiled MLP's forward
@@ -177,7 +186,7 @@ def _xla_checkpoint(forward: Any, module: nn.Module, args: tuple[Any, ...], kwar
             (torch-xla's checkpoint has no selective policy and no offload hooks; validation refuses both keys on
             torch-xla, so this is reached only through ``model.activations_memory_budget``).
     """
-    if getattr(module, _SAVE_ATTENTION, False) or getattr(module, _OFFLOAD, False):
+    if getattr(module, _SAVE_ATTENTION, False) or getattr(module, _OFFLOAD, None) is not None:
         raise NotImplementedError(
             "model.activations_checkpoint_save_attention / model.activations_offload: not supported on torch-xla "
             "(torch-xla's checkpoint recomputes whole modules, without a selective policy or offload); set them "
@@ -190,27 +199,141 @@ def _xla_checkpoint(forward: Any, module: nn.Module, args: tuple[Any, ...], kwar
     return xla_checkpoint.checkpoint(functools.partial(forward, module, **kwargs), *args)
 
 
-def offload_context(pin_memory: bool) -> contextlib.AbstractContextManager:
-    """The saved-tensor hooks that move what autograd saves to host memory (``torch.autograd.graph.save_on_cpu``:
-    pinned host buffers on CUDA, copied back non-blocking in backward)."""
-    return torch.autograd.graph.save_on_cpu(pin_memory=pin_memory)
+class _Offloaded:
+    """Stands, in what a checkpoint saves, for the tensor of index ``index`` in its :class:`OffloadGroup`."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int) -> None:
+        self.index = index
 
 
-def _offloaded_checkpoint(forward: Any, module: nn.Module, *args: Any) -> Any:
-    """``model.activations_offload``: the layer's forward under reentrant checkpointing inside
-    :func:`offload_context`. The reentrant checkpoint runs the layer without grad and saves only its inputs
-    (``ctx.save_for_backward``), which the hooks move to the host; backward brings them back and recomputes the
-    layer (DeepSpeed's ``cpu_checkpointing``; ALST, arXiv:2506.13996, section 3). Used only when the layer input
-    requires grad (a frozen first layer under LoRA keeps the plain checkpoint: a reentrant checkpoint of inputs
-    without grad would give its parameters none)."""
-    with offload_context(pin_memory=args[0].is_cuda):
-        return checkpoint(forward, module, *args, use_reentrant=True)
+def _offloadable(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and t.is_floating_point() and t.numel() > 0
 
 
-def _wrap(module: nn.Module, save_attention: bool = False, offload: bool = False) -> bool:
+class _KeepAttentionOffloaded(TorchDispatchMode):
+    """Forward context of an offloading checkpoint with ``activations_checkpoint_save_attention``: each attention
+    kernel's floating-point outputs (the output ``O``, its log-sum-exp) go to the layer's offload group, and
+    ``kept`` records ``(op, output structure, leaves)`` in call order (the other leaves, e.g. CUDA's
+    random-number seed and offset, as they are) for :class:`_ReplayAttention`."""
+
+    def __init__(self, group: OffloadGroup, kept: list[tuple[Any, Any, list[Any]]]) -> None:
+        super().__init__()
+        self.group, self.kept = group, kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _attention_ops():
+            leaves, spec = tree_flatten(out)
+            self.kept.append((func, spec, [_Offloaded(self.group.offload(x)) if _offloadable(x) else x
+                                           for x in leaves]))
+        return out
+
+
+class _ReplayAttention(TorchDispatchMode):
+    """Recompute context matching :class:`_KeepAttentionOffloaded`: the n-th attention kernel call returns the
+    n-th kept outputs, fetched back from the host, instead of running.
+
+    Raises:
+        RuntimeError: the recomputation calls an attention kernel the forward did not (a different kernel, or
+            more calls): the region is not deterministic in its choice of kernel.
+    """
+
+    def __init__(self, group: OffloadGroup, kept: list[tuple[Any, Any, list[Any]]]) -> None:
+        super().__init__()
+        self.group, self.kept, self.next = group, kept, 0
+
+    def __enter__(self) -> _ReplayAttention:
+        self.next = 0  # each recomputation (a retain_graph backward runs it again) replays from the start
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func not in _attention_ops():
+            return func(*args, **(kwargs or {}))
+        if self.next >= len(self.kept) or self.kept[self.next][0] is not func:
+            ran = self.kept[self.next][0] if self.next < len(self.kept) else "nothing"
+            raise RuntimeError(f"activation offload with activations_checkpoint_save_attention: the recomputation "
+                               f"calls {func} as attention kernel {self.next} where the forward called {ran}")
+        _, spec, leaves = self.kept[self.next]
+        self.next += 1
+        return tree_unflatten([self.group.get(x.index) if isinstance(x, _Offloaded) else x for x in leaves], spec)
+
+
+def _offloaded_checkpoint(forward: Any, module: nn.Module, offloader: ActivationOffloader, save_attention: bool,
+                          args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``model.activations_offload``: the layer under non-reentrant checkpointing whose saved input goes to host
+    memory (DeepSpeed's ``cpu_checkpointing``; ALST, arXiv:2506.13996, section 3), in one
+    :class:`~nxd_lc.runtime.offload.OffloadGroup` per call.
+
+    The input is offloaded by saved-tensor hooks around the checkpoint call: the checkpoint saves its tensor
+    inputs under them (torch 2.9: ``_NoopSaveInputs.save_for_backward``; 2.13: ``_make_saved_tensor``), and what
+    its region saves is the checkpoint's own (discarded). Only floating-point inputs that require grad move (the
+    hidden states); the RoPE tables, position and segment ids that every layer shares stay. With
+    ``save_attention`` the attention kernels' outputs join the group (:class:`_KeepAttentionOffloaded`) and the
+    recomputation returns them instead of running the kernels (:class:`_ReplayAttention`). The first tensor
+    backward unpacks brings back the group, and starts bringing back the one before it.
+    """
+    group = offloader.group()
+    packed: list[int] = []
+
+    def pack(t: torch.Tensor) -> Any:
+        if not (_offloadable(t) and t.requires_grad):
+            return t
+        packed.append(group.offload(t))
+        return _Offloaded(packed[-1])
+
+    def unpack(x: Any) -> torch.Tensor:
+        return group.get(x.index) if isinstance(x, _Offloaded) else x
+
+    discard = getattr(type(module), "tiled_output_unused_in_recompute", False)
+    kept: list[tuple[Any, Any, list[Any]]] = []
+
+    def contexts() -> tuple[contextlib.AbstractContextManager, contextlib.AbstractContextManager]:
+        recompute: list[Any] = []
+        if save_attention:
+            replay = _ReplayAttention(group, kept)
+            recompute.append(lambda: replay)
+        if discard:
+            recompute.append(discard_tiled_outputs)
+        forward_context = _KeepAttentionOffloaded(group, kept) if save_attention else contextlib.nullcontext()
+        return forward_context, _Contexts(recompute)
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        out = checkpoint(forward, module, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    if not packed and not _WARNED and any(_offloadable(a) and a.requires_grad for a in (*args, *kwargs.values())):
+        _WARNED.append(True)
+        log.warning("model.activations_offload: torch's checkpoint saved the layer input outside the offload hooks "
+                    "(torch %s); the inputs stay on the device", torch.__version__)
+    return out
+
+
+_WARNED: list[bool] = []  # the warning above, once per process
+
+
+class _Contexts(contextlib.AbstractContextManager):
+    """Enters a fresh context from each factory, in order, every time it is entered (a recomputation context is
+    entered once per recomputation; a ``retain_graph`` backward recomputes again)."""
+
+    def __init__(self, factories: Sequence[Any]) -> None:
+        self._factories = list(factories)
+        self._stacks: list[contextlib.ExitStack] = []
+
+    def __enter__(self) -> _Contexts:
+        stack = contextlib.ExitStack()
+        for factory in self._factories:
+            stack.enter_context(factory())
+        self._stacks.append(stack)
+        return self
+
+    def __exit__(self, *exc: Any) -> bool:
+        return bool(self._stacks.pop().__exit__(*exc))
+
+
+def _wrap(module: nn.Module, save_attention: bool = False, offloader: ActivationOffloader | None = None) -> bool:
     """Route ``module``'s forward through :func:`_checkpointed_forward`; False if it already was."""
     setattr(module, _SAVE_ATTENTION, save_attention)
-    setattr(module, _OFFLOAD, offload)
+    setattr(module, _OFFLOAD, offloader)
     if getattr(module, _FLAG, False):
         return False
     # a partial of a module-level function (not a closure): deepcopy / pickle re-bind it to the copied module
@@ -236,8 +359,10 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
             process holds, i.e. per pipeline stage) with ``full`` granularity
             (``model.activations_checkpoint_method``; module docstring).
         num_layers: ``model.activations_checkpoint_num_layers``.
-        offload: ``model.activations_offload``: with ``full`` granularity, each checkpointed layer's inputs are kept
-            in host memory between forward and backward (:func:`_offloaded_checkpoint`).
+        offload: ``model.activations_offload``: with ``full`` granularity, each checkpointed layer's input (with
+            ``save_attention`` also its attention outputs) is kept in host memory between forward and backward
+            (:func:`_offloaded_checkpoint`); the layers share one
+            :class:`~nxd_lc.runtime.offload.ActivationOffloader`.
 
     Returns:
         Qualified names of the modules now checkpointed (empty for ``None``). Applying twice is a no-op.
@@ -256,10 +381,9 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
     problems = checkpoint_method_problems(granularity, method, num_layers)
     if problems:
         raise ValueError("; ".join(problems))
-    if offload and (granularity != "full" or save_attention):
-        raise ValueError("model.activations_offload: true needs model.activations_checkpoint_granularity full and "
-                         "model.activations_checkpoint_save_attention false (it offloads the inputs of whole "
-                         "recomputed layers)")
+    if offload and granularity != "full":
+        raise ValueError("model.activations_offload: true needs model.activations_checkpoint_granularity full (it "
+                         "offloads the inputs of whole recomputed layers)")
     if granularity is None:
         if save_attention:
             raise ValueError("model.activations_checkpoint_save_attention: true needs "
@@ -272,7 +396,8 @@ def apply_activation_checkpointing(model: nn.Module, granularity: str | None,
         targets = [(f"layers.{i}", layer) for i, layer in layers]
     else:
         targets = _selective_targets(model, layers, list(recompute or []))
-    return [name for name, module in targets if _wrap(module, save_attention, offload)]
+    offloader = ActivationOffloader() if offload else None
+    return [name for name, module in targets if _wrap(module, save_attention, offloader)]
 
 
 def _selective_targets(model: nn.Module, layers: list[tuple[int, nn.Module]],

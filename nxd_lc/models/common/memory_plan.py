@@ -13,14 +13,22 @@ estimate fits is used, in this order (each recomputes more than the one before):
    ``activations_checkpoint_save_attention: true``): the recomputation re-runs the norms, projections, RoPE and MLP
    but not the ``O(S^2)`` attention, for one ``[T, Hq]`` (+ ``[heads, T]`` fp32) more per layer than plan 4 (issue
    41: at 64k-128k the attention is most of a recomputation's time);
-4. ``full``: every decoder layer recomputed, only its input ``[B, S(/tp), H]`` kept;
-5. ``full_tiled_mlp``: as 4, the MLP of the layer being recomputed runs ``tiled_mlp_chunk_size`` tokens at a time
+4. ``full_save_attention_offload``: as 3 with the tiled MLP (plan 6), and each layer's input, attention output and
+   log-sum-exp are moved to host memory in forward and brought back one layer ahead of its backward, on a side
+   stream (``model.activations_offload`` with ``activations_checkpoint_save_attention``): no activation stays on the
+   device per layer, and the recomputation still skips the attention (issue 41, item 2; the copies overlap compute
+   on CUDA, :mod:`nxd_lc.runtime.offload`);
+5. ``full``: every decoder layer recomputed, only its input ``[B, S(/tp), H]`` kept;
+6. ``full_tiled_mlp``: as 5, the MLP of the layer being recomputed runs ``tiled_mlp_chunk_size`` tokens at a time
    (only worth it where the MLP's ``[T, 2I]`` working set matters: long sequences);
-6. ``full_offload``: as 5, and each layer's input is moved to host memory in forward and back in backward
+7. ``full_offload``: as 6, and each layer's input is moved to host memory in forward and back in backward
    (``model.activations_offload``: ALST's / DeepSpeed's activation-checkpoint offload).
 
-Plans 3 and 6 are skipped where they cannot run: on torch-xla (its checkpoint has no selective policy and no
-offload hooks) both, and plan 6 with compiled layers (the offloading checkpoint is reentrant).
+Plans 3, 4 and 7 are skipped where they cannot run: on torch-xla (its checkpoint has no selective policy and no
+offload hooks) all three; plans 4 and 7 with compiled layers (dynamo does not trace the offload hooks) and on the CPU
+(host memory is the device's: offloading frees nothing). The order is by recomputation, not measured per length:
+plan 4 is placed before 5 because at 64k-128k tokens the attention is most of a layer's recomputation, and its
+copies (``[T, H]`` twice per layer each way) take about a tenth of the layer's time over PCIe 5 on an H200.
 
 The loss is untiled when its logits fit in what the layers leave of the budget, else tiled
 (``tiled_loss_chunk_size`` 1024) -- unless Liger's fused linear cross-entropy is the loss kernel, which never holds
@@ -44,7 +52,9 @@ region: ``T / tp`` under sequence parallelism; ``e`` the activation element size
   per token of ``T``;
 * a recomputed layer (``full``) keeps its input ``e H`` per token of ``Tn`` and, while its backward runs, the working
   set of one layer as above (with the tiled MLP: ``chunk`` tokens of the MLP's part); ``full_save_attention`` also
-  keeps the attention kernel's output ``e Hq`` and log-sum-exp ``4 heads/tp`` per token of ``T``;
+  keeps the attention kernel's output ``e Hq`` and log-sum-exp ``4 heads/tp`` per token of ``T``; the offload plans
+  keep nothing per layer on the device, but two layers' offloaded tensors (the one whose backward runs, the one
+  prefetched) join the working set, and the host holds every layer's;
 * the loss over ``[T, Vl]`` logits: the logits (``e``), their float32 copy, the softmax and its gradient (``3 x 4``),
   the gradient cast back (``e``); tiled: ``chunk`` rows of that plus the ``[T, H]`` input, its gradient and the
   gradient's scaled copy (``3 e H``) and the float32 ``[Vl, H]`` weight-gradient accumulator; Liger's
@@ -91,16 +101,21 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EAGER_ONLY_PLANS", "MemoryPlan", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory", "budget_problem",
-           "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes", "estimate_split", "model_plan_shape",
-           "parse_budget", "recompute_parts"]
+__all__ = ["EAGER_ONLY_PLANS", "MemoryPlan", "OFFLOAD_PLANS", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory",
+           "budget_problem", "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes", "estimate_split",
+           "model_plan_shape", "offload_allowed", "parse_budget", "recompute_parts"]
 
 #: the plans, fastest first (module docstring)
-PLAN_ORDER = ("none", "selective", "full_save_attention", "full", "full_tiled_mlp", "full_offload")
+PLAN_ORDER = ("none", "selective", "full_save_attention", "full_save_attention_offload", "full", "full_tiled_mlp",
+              "full_offload")
 #: plans that need torch's selective checkpoint policy / saved-tensor hooks (not on torch-xla)
-EAGER_ONLY_PLANS = frozenset({"full_save_attention", "full_offload"})
+EAGER_ONLY_PLANS = frozenset({"full_save_attention", "full_save_attention_offload", "full_offload"})
+#: plans that move activations to host memory (``model.activations_offload``)
+OFFLOAD_PLANS = frozenset({"full_save_attention_offload", "full_offload"})
+#: plans that keep the attention kernels' outputs (``model.activations_checkpoint_save_attention``)
+_SAVE_ATTENTION_PLANS = frozenset({"full_save_attention", "full_save_attention_offload"})
 #: plans whose MLP runs PLAN_MLP_CHUNK tokens at a time
-_TILED_MLP_PLANS = frozenset({"full_tiled_mlp", "full_offload"})
+_TILED_MLP_PLANS = frozenset({"full_tiled_mlp", "full_save_attention_offload", "full_offload"})
 #: token chunk of the tiled MLP / tiled loss the planner uses
 PLAN_MLP_CHUNK = 4096
 PLAN_LOSS_CHUNK = 1024
@@ -324,10 +339,13 @@ def estimate_split(s: PlanShape, plan: str, loss_chunk: int | None = None,
     else:
         tiled = PLAN_MLP_CHUNK if plan in _TILED_MLP_PLANS else None
         once = _layer_bytes(s, tiled)  # the working set of the layer being recomputed
+        attention = s.tokens * (e * s.heads_local * s.head_dim + 4 * s.heads_local)  # output + log-sum-exp
         if plan == "full_offload":  # two layer inputs in flight on the device, the rest on the host
             kept, once, host = 0, once + 2 * layer_input, s.layers * layer_input
+        elif plan == "full_save_attention_offload":  # two layers' inputs and attention outputs in flight
+            kept, once, host = 0, once + 2 * (layer_input + attention), s.layers * (layer_input + attention)
         elif plan == "full_save_attention":  # the attention kernel's output and log-sum-exp kept with the input
-            kept = s.layers * (layer_input + s.tokens * (e * s.heads_local * s.head_dim + 4 * s.heads_local))
+            kept = s.layers * (layer_input + attention)
         else:
             kept = s.layers * layer_input
     mlp_tokens = min(s.tokens, PLAN_MLP_CHUNK) if plan in _TILED_MLP_PLANS else s.tokens
@@ -352,10 +370,10 @@ def estimate_bytes(s: PlanShape, plan: str, loss_chunk: int | None = None) -> tu
 
 def _plan(name: str, loss_chunk: int | None, device: int, host: int, budget: int) -> MemoryPlan:
     granularity = {"none": None, "selective": "selective"}.get(name, "full")
-    return MemoryPlan(name=name, granularity=granularity, save_attention=name == "full_save_attention",
+    return MemoryPlan(name=name, granularity=granularity, save_attention=name in _SAVE_ATTENTION_PLANS,
                       recompute=("RMSNorm", "LlamaMLP") if name == "selective" else None,
                       tiled_mlp_chunk_size=PLAN_MLP_CHUNK if name in _TILED_MLP_PLANS else None,
-                      tiled_loss_chunk_size=loss_chunk, offload=name == "full_offload", estimate_bytes=device,
+                      tiled_loss_chunk_size=loss_chunk, offload=name in OFFLOAD_PLANS, estimate_bytes=device,
                       host_bytes=host, budget_bytes=budget)
 
 
@@ -365,8 +383,8 @@ def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True,
     Args:
         s: the micro-batch's shape on this rank.
         budget: ``model.activations_memory_budget`` (:func:`parse_budget`).
-        allow_offload: False where activation offload cannot run (compiled layers): ``full_offload`` is not
-            considered.
+        allow_offload: False where activation offload cannot run or frees nothing (compiled layers, the CPU): the
+            plans of :data:`OFFLOAD_PLANS` are not considered.
         lazy: the run is on torch-xla (``xla`` / torch-xla ``neuron``): the plans of :data:`EAGER_ONLY_PLANS` are
             not considered (torch-xla's checkpoint recomputes whole modules).
 
@@ -382,7 +400,7 @@ def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True,
     limit = int(amount * reference) if kind == "fraction" else int(amount)
     smallest = None
     for name in PLAN_ORDER:
-        if (name == "full_offload" and not allow_offload) or (lazy and name in EAGER_ONLY_PLANS):
+        if (name in OFFLOAD_PLANS and not allow_offload) or (lazy and name in EAGER_ONLY_PLANS):
             continue
         for loss_chunk in ((None,) if s.fused_loss else (None, PLAN_LOSS_CHUNK)):
             device, host = estimate_bytes(s, name, loss_chunk)
@@ -394,6 +412,13 @@ def choose_memory_plan(s: PlanShape, budget: Any, *, allow_offload: bool = True,
                      f"estimate ({smallest / _GIB:.2f} GiB: full recomputation, tiled MLP and loss"
                      f"{', offloaded layer inputs' if allow_offload and not lazy else ''}); raise the budget, shorten "
                      "data.seq_length or add context parallelism (distributed_strategy.context_parallel_size)")
+
+
+def offload_allowed(accelerator: str, compiled: bool) -> bool:
+    """Whether the planner may choose an offload plan: eager layers on an accelerator with its own memory (not
+    ``cpu``, whose host memory is the device's; not compiled layers, whose graphs dynamo cannot trace with the
+    offload hooks; torch-xla is excluded by ``lazy``)."""
+    return not compiled and accelerator != "cpu"
 
 
 def model_plan_shape(model: nn.Module, tokens: int, *, sequence_parallel: bool, element_size: int,
@@ -446,7 +471,8 @@ def apply_kernels_and_memory(model: nn.Module, model_cfg: ModelConfig, *, accele
     if model_cfg.activations_memory_budget is not None:  # validation: no memory key is also set by hand
         shape = model_plan_shape(model, tokens, sequence_parallel=sequence_parallel, element_size=element_size,
                                  fused_loss=kernels["cross_entropy"] == "liger")
-        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget, allow_offload=not compiled,
+        plan = choose_memory_plan(shape, model_cfg.activations_memory_budget,
+                                  allow_offload=offload_allowed(accelerator, compiled),
                                   lazy=is_xla_accelerator(accelerator))
         log.info(plan.describe())
         model_cfg = dataclasses.replace(model_cfg, **plan.model_keys())
