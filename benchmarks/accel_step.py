@@ -42,6 +42,10 @@ device) and the nxd_lc configurations of :data:`NXD_IMPLS` (overrides of
 ``activations_memory_budget`` get the plan nxd_lc chooses for each length (``memory_plan`` in the point): their model
 is built again at each length, so its ``loss_first`` there is of the initial weights (``fresh_model``), not of the
 weights after the earlier lengths' steps (at lr 1e-5 the difference is ~1e-5, far below the loss check's tolerance).
+``nxd_at_baseline`` / ``nxd_at_baseline_compile`` (issue 41's acceptance) plan at each length under the ratio
+baseline's measured peak there (``hf_liger_gc``; ``compare`` runs it first and passes its peaks) less their own
+parameters, gradients and AdamW moments (:func:`static_bytes`); a length the baseline did not reach is
+``no_baseline``, and without a baseline peak (CPU) they are skipped.
 
 ``compare`` runs the implementations one after another, each in its own process (``sys.executable -m
 benchmarks.accel_step run ...``), under an overall time budget (``--time-budget-s``; an implementation is given
@@ -78,8 +82,8 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["FLOPS_FORMULA", "LLAMA_1B_UNTIED", "NXD_IMPLS", "TINY", "all_impls", "dense_params", "main",
-           "model_flops"]
+__all__ = ["BASELINE_PEAK_BUDGET", "FLOPS_FORMULA", "LLAMA_1B_UNTIED", "NXD_IMPLS", "TINY", "all_impls",
+           "baseline_budget", "baseline_peaks", "dense_params", "main", "model_flops", "static_bytes"]
 
 ROOT = Path(__file__).resolve().parent.parent
 GIB = 2**30
@@ -131,7 +135,19 @@ NXD_IMPLS: dict[str, dict[str, Any]] = {
     # the smallest plan: full recomputation, tiled MLP, layer inputs offloaded to host memory (longest sequence)
     "nxd_offload": {**_UNPLANNED, "activations_checkpoint_granularity": "full", "tiled_mlp_chunk_size": 4096,
                     "activations_offload": True},
+    # issue 41, item 2: as nxd_offload, and the attention outputs go to the host too instead of being recomputed
+    "nxd_offload_keep_attention": {**_UNPLANNED, "activations_checkpoint_granularity": "full",
+                                   "tiled_mlp_chunk_size": 4096, "activations_checkpoint_save_attention": True,
+                                   "activations_offload": True},
+    # issue 41's acceptance: the plan chosen under the baseline's measured peak at each length, less this model's
+    # parameters, gradients and AdamW state (BASELINE_PEAK_BUDGET)
+    "nxd_at_baseline": {**_PLANNED, "activations_memory_budget": "baseline_peak"},
+    "nxd_at_baseline_compile": {**_PLANNED, "activations_memory_budget": "baseline_peak", "compile": True},
 }
+#: the ``activations_memory_budget`` of a configuration whose budget at each length is the ratio baseline's
+#: (:data:`RATIO_BASELINES`) measured peak there less :func:`static_bytes`; ``compare`` runs the baselines first
+#: and passes their peaks (``run --baseline-peaks``)
+BASELINE_PEAK_BUDGET = "baseline_peak"
 #: Merged under every :data:`NXD_IMPLS` entry: a configuration runs eager unless it says ``"compile": True``
 #: (``ModelConfig.compile`` may default to ``"auto"``, which would compile where the trainer would).
 NXD_DEFAULTS: dict[str, Any] = {"compile": False}
@@ -213,14 +229,31 @@ def _liger_skip_reason(device_type: str) -> str | None:
     return None
 
 
+def static_bytes(cfg: Mapping[str, Any], element_size: int) -> int:
+    """Bytes of the parameters, their gradients and AdamW's two moments (all in the parameters' dtype, as the
+    benchmark's ``torch.optim.AdamW`` keeps them): 4 x the parameters (the dense ones, the embedding, the norms) x
+    ``element_size``: what a step holds besides its activations."""
+    h, layers = cfg["hidden_size"], cfg["num_hidden_layers"]
+    params = dense_params(cfg) + cfg["vocab_size"] * h + (2 * layers + 1) * h
+    return 4 * params * element_size
+
+
+def baseline_budget(baseline_peak_gib: float, cfg: Mapping[str, Any], element_size: int) -> str | None:
+    """The activation budget (``"<N>MiB"``) that puts a step at the baseline's peak: the peak less
+    :func:`static_bytes`; None when that leaves nothing."""
+    budget = baseline_peak_gib * GIB - static_bytes(cfg, element_size)
+    return f"{int(budget // 2**20)}MiB" if budget >= 2**20 else None
+
+
 def _planned(impl: str) -> bool:
     """The implementation's memory keys come from a budget: its model is built again for each length."""
     return impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") is not None
 
 
-def _build(impl: str, hf_dir: str, device: Any, dtype: Any, seq_len: int | None = None) -> Any:
+def _build(impl: str, hf_dir: str, device: Any, dtype: Any, seq_len: int | None = None,
+           budget: str | None = None) -> Any:
     """The model of ``impl`` on ``device`` in ``dtype``, in train mode (``seq_len``: the length a budget plans
-    for)."""
+    for; ``budget``: the ``activations_memory_budget`` of a :data:`BASELINE_PEAK_BUDGET` configuration there)."""
     if impl in HF_IMPLS:
         liger, checkpointing = HF_IMPLS[impl]
         from transformers import LlamaForCausalLM
@@ -236,7 +269,12 @@ def _build(impl: str, hf_dir: str, device: Any, dtype: Any, seq_len: int | None 
         return model.to(device).train()
     from benchmarks.nxd_options import build_nxd_model
 
-    model = build_nxd_model(hf_dir, nxd_opts(impl), accelerator="gpu" if device.type == "cuda" else "cpu",
+    opts = nxd_opts(impl)
+    if opts.get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+        if budget is None:
+            raise ValueError(f"{impl}: its budget is the baseline's peak less the static bytes, and none was given")
+        opts = {**opts, "activations_memory_budget": budget}
+    model = build_nxd_model(hf_dir, opts, accelerator="gpu" if device.type == "cuda" else "cpu",
                             tokens=seq_len, element_size=dtype.itemsize)  # fp32 on CPU
     model = model.to(device=device, dtype=dtype)
     return model.train()
@@ -333,7 +371,8 @@ def _predicted_s(last: Mapping[str, Any], seq_len: int, steps: int) -> float:
 
 
 def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, device_choice: str = "auto",
-             dtype_choice: str = "auto", deadline_s: float | None = None) -> dict[str, Any]:
+             dtype_choice: str = "auto", deadline_s: float | None = None,
+             baseline_peaks: Mapping[int, float] | None = None) -> dict[str, Any]:
     """Measure ``impl`` at ``lens`` (ascending) in this process; the result is rewritten to ``out`` after each
     point (see the module docstring for what a point holds).
 
@@ -347,6 +386,9 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
         dtype_choice: ``auto`` (bf16 on CUDA, fp32 on CPU), ``bf16`` or ``fp32``.
         deadline_s: seconds from the start of this call after which no length is started whose predicted time
             would overrun it (None: no deadline).
+        baseline_peaks: for a :data:`BASELINE_PEAK_BUDGET` configuration, the baseline's peak allocated GiB per
+            length; a length without one is recorded as ``no_baseline`` (the baseline did not run it: out of
+            memory, or no CUDA), one whose peak leaves no activation budget as ``no_plan``.
 
     Returns:
         The result dict (also in ``out``).
@@ -416,6 +458,17 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
                 _write_json(out, result)
                 print(json.dumps(point), flush=True)
                 break
+        budget = None
+        if impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+            peak = (baseline_peaks or {}).get(seq_len)
+            budget = None if peak is None else baseline_budget(peak, cfg, dtype.itemsize)
+            if budget is None:
+                point.update(status="no_baseline" if peak is None else "no_plan", baseline_peak_gib=peak)
+                result["points"].append(point)
+                _write_json(out, result)
+                print(json.dumps(point), flush=True)
+                continue
+            point.update(baseline_peak_gib=peak, budget=budget)
         if _planned(impl):  # the plan of this length: a new model
             model = opt = step = None
             gc.collect()
@@ -423,7 +476,7 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
                 torch.cuda.empty_cache()
             try:
                 t0 = time.perf_counter()
-                model = _build(impl, hf_dir, device, dtype, seq_len)
+                model = _build(impl, hf_dir, device, dtype, seq_len, budget)
             except Exception as e:  # noqa: BLE001 -- recorded, not raised: the comparison goes on
                 # a fractional budget can be below every plan at one length and above one at a longer length
                 # (the fixed terms weigh less there): that length is recorded as no_plan and the next one tried
@@ -552,10 +605,11 @@ def _impl_status(entry: Mapping[str, Any]) -> str:
 
 def _ending_status(entry: Mapping[str, Any]) -> str | None:
     """The status of the point that ended an implementation's lengths early (oom, error, skipped_time, ...), or
-    None when its last point is ``ok`` or ``no_plan`` (after which the next length is tried) or it has none."""
+    None when its last point is ``ok``, ``no_plan`` or ``no_baseline`` (after which the next length is tried) or it
+    has none."""
     points = entry.get("points", [])
     status = points[-1]["status"] if points else None
-    return None if status in (None, "ok", "no_plan") else status
+    return None if status in (None, "ok", "no_plan", "no_baseline") else status
 
 
 def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, steps: int = 2,
@@ -620,6 +674,15 @@ def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, st
                     "--steps", str(steps), "--out", child_out, "--device", device_choice, "--dtype", dtype_choice]
             if allotted is not None:
                 argv += ["--deadline-s", f"{allotted:.1f}"]
+            if impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+                peaks = baseline_peaks(result)
+                if not peaks:
+                    result["impls"][impl] = {"points": [], "skipped": (
+                        f"no baseline peak to plan under: none of {', '.join(RATIO_BASELINES)} ran before it with a "
+                        "measured peak (CUDA only)")}
+                    print(f"== {impl}: skipped (no baseline peak)", flush=True)
+                    continue
+                argv += ["--baseline-peaks", ",".join(f"{n}:{g:.4f}" for n, g in sorted(peaks.items()))]
             print(f"== {impl}: lengths {impl_lens}" + (f", {allotted:.0f} s allotted" if allotted else ""),
                   flush=True)
             t0 = time.monotonic()
@@ -660,6 +723,17 @@ def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, st
 def _ok_points(result: Mapping[str, Any], impl: str) -> dict[int, dict[str, Any]]:
     entry = result["impls"].get(impl, {})
     return {p["seq_len"]: p for p in entry.get("points", []) if p.get("status") == "ok"}
+
+
+def baseline_peaks(result: Mapping[str, Any]) -> dict[int, float]:
+    """``{length: peak allocated GiB}`` of the ratio baseline (:data:`RATIO_BASELINES`, the first with points that
+    have a measured peak) in a comparison so far; empty when none has."""
+    for name in RATIO_BASELINES:
+        peaks = {n: p["peak_allocated_gib"] for n, p in _ok_points(result, name).items()
+                 if p.get("peak_allocated_gib") is not None}
+        if peaks:
+            return peaks
+    return {}
 
 
 def ratios(result: Mapping[str, Any]) -> tuple[str | None, list[dict[str, Any]]]:
@@ -720,7 +794,7 @@ def _cell(entry: Mapping[str, Any], seq_len: int, fmt: Callable[[dict[str, Any]]
             if p["status"] == "ok":
                 return fmt(p)
             return {"oom": "OOM", "error": "error", "skipped_time": "time", "timeout": "timeout",
-                    "no_plan": "no plan"}.get(
+                    "no_plan": "no plan", "no_baseline": "no baseline"}.get(
                 p["status"], p["status"])
     return "-"
 
@@ -839,6 +913,7 @@ def _parser() -> argparse.ArgumentParser:
     rp.add_argument("--impl", required=True, choices=all_impls())
     rp.add_argument("--out", required=True, help="result JSON path")
     rp.add_argument("--deadline-s", type=float, help="start no length predicted to end after this many seconds")
+    rp.add_argument("--baseline-peaks", default="", help="L:GiB,... the baseline's peaks (nxd_at_baseline*)")
     cp = sub.add_parser("compare", help="every implementation, each in its own process")
     common(cp)
     cp.add_argument("--impls", default=",".join(all_impls()), help="comma-separated, in run order")
@@ -862,8 +937,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.cmd == "prepare":
         prepare(args.hf_dir, tiny=args.tiny)
     elif args.cmd == "run":
+        peaks = {int(n): float(g) for n, g in (x.split(":") for x in args.baseline_peaks.split(",") if x.strip())}
         run_impl(args.impl, args.hf_dir, _lens(args.lens), args.steps, args.out, args.device, args.dtype,
-                 args.deadline_s)
+                 args.deadline_s, peaks)
     elif args.cmd == "compare":
         stamp = datetime.datetime.now().strftime("%Y%m%d_%H%M%S")
         out = args.out or str(ROOT / "benchmarks" / "results" / f"accel_step_{stamp}.json")

@@ -109,6 +109,35 @@ def test_budget_below_every_plan_at_one_length_goes_on(tmp_path: Path, monkeypat
     assert bench._cell(result, 512, lambda p: "x") == "no plan"
 
 
+def test_budget_at_the_baseline_peak(tmp_path: Path) -> None:
+    """Issue 41's acceptance configuration: at each length the budget is the baseline's peak less the model's
+    parameters, gradients and AdamW moments (counted from the built model here, not from the benchmark's formula);
+    a length the baseline did not reach is ``no_baseline`` and the next one still runs; the peaks come from the
+    first ratio baseline with measured peaks."""
+    import torch
+
+    from benchmarks import accel_step as bench
+
+    hf_dir = tmp_path / "hf"
+    bench.prepare(str(hf_dir), tiny=True)
+    params = sum(p.numel() for p in bench._build("nxd_best", str(hf_dir), torch.device("cpu"),
+                                                  torch.float32).parameters())
+    static = 4 * 4 * params  # fp32 parameters, gradients, exp_avg, exp_avg_sq
+    assert bench.static_bytes(bench.TINY, 4) == static
+    peak = (static + 300 * 2**20) / 2**30  # 300 MiB of activations: plenty for the tiny model at 128 tokens
+    result = bench.run_impl("nxd_at_baseline", str(hf_dir), [64, 128], steps=1, out=str(tmp_path / "r.json"),
+                            device_choice="cpu", baseline_peaks={128: peak})
+    first, second = result["points"]
+    assert first["status"] == "no_baseline" and first["baseline_peak_gib"] is None
+    assert second["status"] == "ok" and second["budget"] == "300MiB" and second["memory_plan"] == "none"
+    assert bench._impl_status(result) == "ok"
+    assert bench.baseline_budget(static / 2**30, bench.TINY, 4) is None  # nothing left for activations
+    fake = {"impls": {"hf_liger_gc": {"points": [{"seq_len": 64, "status": "oom"}]},
+                      "hf_gc": {"points": [{"seq_len": 64, "status": "ok", "peak_allocated_gib": 1.5},
+                                           {"seq_len": 128, "status": "ok", "peak_allocated_gib": None}]}}}
+    assert bench.baseline_peaks(fake) == {64: 1.5}
+
+
 def test_smoke_markdown_names_each_implementation(smoke: tuple[dict, str]) -> None:
     result, md = smoke
     rows = [ln for ln in md.splitlines() if ln.startswith("| ")]

@@ -8,8 +8,10 @@
 # benchmarks/results/.
 #
 # What it does: installs the carried wheels (hydra-core, omegaconf, antlr4-python3-runtime, liger-kernel) into
-# $SITE_DIR, prints nvidia-smi, saves the seed-0 1.5B weights in /tmp, then runs `compare`: the transformers
-# baselines first (hf_liger_gc, hf_liger, hf_gc, hf), then the nxd_lc configurations, at 4k-128k (nxd_lc also
+# $SITE_DIR, prints nvidia-smi, saves the seed-0 1.5B weights in /tmp, then runs `compare`: the baseline
+# hf_liger_gc first, then issue 41's acceptance configurations (nxd_at_baseline[_compile]: the plan chosen under
+# hf_liger_gc's measured peak at each length; nxd_offload_keep_attention), then the other transformers and nxd_lc
+# configurations (the most telling first: the time budget skips the last ones), at 4k-128k (nxd_lc also
 # 192k and 256k), each implementation in its own process and given at most ACCEL_IMPL_TIMEOUT_S seconds, all of
 # it within ACCEL_TOTAL_S seconds from the start of this script (the implementations left when it is spent are
 # recorded as skipped).
@@ -28,7 +30,7 @@ IMPL_TIMEOUT_S=${ACCEL_IMPL_TIMEOUT_S:-100}
 STEPS=${ACCEL_STEPS:-2}
 LENS=${ACCEL_LENS:-4096,16384,65536,131072}
 NXD_EXTRA_LENS=${ACCEL_NXD_EXTRA_LENS:-196608,262144}
-IMPLS=${ACCEL_IMPLS:-hf_liger_gc,hf_liger,nxd_fused_full_compile,nxd_budget30_compile,nxd_fused_full,nxd_offload,nxd_fused,nxd_budget15,hf_gc,hf,nxd_best,nxd_best_compile,nxd_norecompute,nxd_norecompute_compile,nxd_full_untiled,nxd_full_untiled_compile}
+IMPLS=${ACCEL_IMPLS:-hf_liger_gc,nxd_at_baseline,nxd_at_baseline_compile,nxd_offload_keep_attention,hf_liger,nxd_fused_full_compile,nxd_offload,nxd_fused_full,nxd_budget30_compile,nxd_fused,nxd_budget15,hf_gc,hf,nxd_best,nxd_best_compile,nxd_norecompute,nxd_norecompute_compile,nxd_full_untiled,nxd_full_untiled_compile}
 TINY_FLAG=${ACCEL_TINY:+--tiny}
 HF_DIR=${HF_DIR:-/tmp/accel_step_hf1b${ACCEL_TINY:+_tiny}}
 RESULTS=${OUT:-benchmarks/results}
