@@ -50,11 +50,13 @@ main() {
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'available', torch.cuda.is_available(), '| transformers', transformers.__version__)"
 
-  # Liger-Kernel's Triton kernels against nxd_lc's torch kernels (loss and every gradient), ~20 s
+  # Liger-Kernel's Triton kernels against nxd_lc's torch kernels (loss and every gradient), and the activation
+  # offload's side stream against the plain step, ~30 s
   if "$PY" -c "import pytest" 2>/dev/null; then
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_fusions.py -k cuda || echo "test_liger_kernels_on_cuda FAILED"
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_fusions.py tests/test_activation_offload.py -k cuda \
+      || echo "CUDA tests (test_liger_kernels_on_cuda, test_cuda_side_stream_offload) FAILED"
   else
-    echo "(pytest not installed: tests/test_fusions.py::test_liger_kernels_on_cuda not run)"
+    echo "(pytest not installed: the CUDA tests of test_fusions.py and test_activation_offload.py not run)"
   fi
 
   if [ ! -f "$HF_DIR/config.json" ]; then
