@@ -128,6 +128,9 @@ NXD_IMPLS: dict[str, dict[str, Any]] = {
     "nxd_fused_full": {**_UNPLANNED, "activations_checkpoint_granularity": "full"},
     # compiled layers (inductor fuses the in-layer ops; the loss stays Liger's) with full recomputation
     "nxd_fused_full_compile": {**_UNPLANNED, "activations_checkpoint_granularity": "full", "compile": True},
+    # issue 41, item 3: the same, each compiled layer replayed as CUDA graphs (model.enable_cuda_graph)
+    "nxd_fused_full_compile_cuda_graphs": {**_UNPLANNED, "activations_checkpoint_granularity": "full", "compile": True,
+                                           "enable_cuda_graph": True},
     # memory plans chosen per length from a budget (a fraction of no recomputation's activations)
     "nxd_budget30_compile": {**_PLANNED, "activations_memory_budget": 0.3, "compile": True},
     "nxd_budget15": {**_PLANNED, "activations_memory_budget": 0.15},
@@ -284,7 +287,11 @@ def _step_fn(impl: str, model: Any, opt: Any) -> Callable[[Any], Any]:
     """One training step on ``tokens`` [L + 1] (int64, on the model's device); returns the detached loss."""
     import torch
 
+    cuda_graphs = impl in NXD_IMPLS and bool(nxd_opts(impl).get("enable_cuda_graph"))
+
     def step(tokens: torch.Tensor) -> torch.Tensor:
+        if cuda_graphs:  # as the trainer's training_step: the last step's replayed outputs may be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         seq_len = tokens.numel() - 1
         ids = tokens[:seq_len].unsqueeze(0)
         pos = torch.arange(seq_len, device=ids.device).unsqueeze(0)

@@ -82,7 +82,7 @@ def build_nxd_model(hf_dir: str, opts: dict[str, Any], load_weights: bool = True
     apply_kernels_and_memory(model, model_cfg, accelerator=accelerator, compiled=compiled, tokens=tokens or 0,
                              element_size=element_size)  # a budget's plan is kept as model.memory_plan
     if compiled:  # the trainer's regional compilation (inductor on CPU / CUDA)
-        compile_decoder_layers(model, compile_backend(accelerator))
+        compile_decoder_layers(model, compile_backend(accelerator), cuda_graphs=model_cfg.enable_cuda_graph)
     return model
 
 

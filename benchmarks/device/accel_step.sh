@@ -30,7 +30,7 @@ IMPL_TIMEOUT_S=${ACCEL_IMPL_TIMEOUT_S:-100}
 STEPS=${ACCEL_STEPS:-2}
 LENS=${ACCEL_LENS:-4096,16384,65536,131072}
 NXD_EXTRA_LENS=${ACCEL_NXD_EXTRA_LENS:-196608,262144}
-IMPLS=${ACCEL_IMPLS:-hf_liger_gc,nxd_at_baseline,nxd_at_baseline_compile,nxd_offload_keep_attention,hf_liger,nxd_fused_full_compile,nxd_offload,nxd_fused_full,nxd_budget30_compile,nxd_fused,nxd_budget15,hf_gc,hf,nxd_best,nxd_best_compile,nxd_norecompute,nxd_norecompute_compile,nxd_full_untiled,nxd_full_untiled_compile}
+IMPLS=${ACCEL_IMPLS:-hf_liger_gc,nxd_at_baseline,nxd_at_baseline_compile,nxd_offload_keep_attention,hf_liger,nxd_fused_full_compile,nxd_fused_full_compile_cuda_graphs,nxd_offload,nxd_fused_full,nxd_budget30_compile,nxd_fused,nxd_budget15,hf_gc,hf,nxd_best,nxd_best_compile,nxd_norecompute,nxd_norecompute_compile,nxd_full_untiled,nxd_full_untiled_compile}
 TINY_FLAG=${ACCEL_TINY:+--tiny}
 HF_DIR=${HF_DIR:-/tmp/accel_step_hf1b${ACCEL_TINY:+_tiny}}
 RESULTS=${OUT:-benchmarks/results}
@@ -50,13 +50,14 @@ main() {
   "$PY" -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, \
 'available', torch.cuda.is_available(), '| transformers', transformers.__version__)"
 
-  # Liger-Kernel's Triton kernels against nxd_lc's torch kernels (loss and every gradient), and the activation
-  # offload's side stream against the plain step, ~30 s
+  # Liger-Kernel's Triton kernels against nxd_lc's torch kernels (loss and every gradient), the activation
+  # offload's side stream against the plain step, compiled layers with CUDA graphs against without, ~1 min
   if "$PY" -c "import pytest" 2>/dev/null; then
-    "$PY" -m pytest -q -p no:cacheprovider tests/test_fusions.py tests/test_activation_offload.py -k cuda \
-      || echo "CUDA tests (test_liger_kernels_on_cuda, test_cuda_side_stream_offload) FAILED"
+    "$PY" -m pytest -q -p no:cacheprovider tests/test_fusions.py tests/test_activation_offload.py \
+      tests/test_cuda_graphs.py -k cuda \
+      || echo "CUDA tests (Liger kernels, side-stream offload, CUDA graphs) FAILED"
   else
-    echo "(pytest not installed: the CUDA tests of test_fusions.py and test_activation_offload.py not run)"
+    echo "(pytest not installed: the CUDA tests of test_fusions, test_activation_offload, test_cuda_graphs not run)"
   fi
 
   if [ ! -f "$HF_DIR/config.json" ]; then

@@ -206,7 +206,8 @@ def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
         if decoder_compiled(cfg, runtime.accelerator):  # regional torch.compile of each decoder layer (training only)
             from nxd_lc.models.common.compile import compile_backend, compile_decoder_layers
 
-            compile_decoder_layers(model, compile_backend(runtime.accelerator))
+            compile_decoder_layers(model, compile_backend(runtime.accelerator),
+                                   cuda_graphs=cfg.model.enable_cuda_graph)
         return hf_config, model
 
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", cfg.trainer.devices))

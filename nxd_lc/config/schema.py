@@ -295,6 +295,7 @@ class ModelConfig:
     tiled_loss_chunk_size: Optional[int] = None  # tokens per chunk of the tiled vocab-parallel CE (None: untiled)
     tiled_mlp_chunk_size: Optional[int] = None  # tokens per chunk of the tiled MLP (None: untiled)
     compile: Any = "auto"  # regional torch.compile of each decoder layer: true | false | auto (CUDA only for now)
+    enable_cuda_graph: bool = False  # compiled layers on CUDA replay CUDA graphs (torch.compile mode reduce-overhead)
     weight_init_only: bool = False  # with exp_manager.resume_from_checkpoint: load model weights only (NxDT)
     use_cpu_initialization: bool = True  # init full weights on CPU with the seed, then keep the TP shard
     activations_checkpoint_granularity: Optional[str] = None  # null | full (each layer) | selective

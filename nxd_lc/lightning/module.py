@@ -47,6 +47,7 @@ from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.distributed.grads import gradient_bucket_size_mb
 from nxd_lc.lightning.nonfinite import NonFiniteStepGuard
+from nxd_lc.models.common.compile import mark_cuda_graph_step
 from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
 from nxd_lc.precision import apply_precision, resolve_precision
 from nxd_lc.runtime import xla as xla_runtime
@@ -220,6 +221,8 @@ class NxDLanguageModel(pl.LightningModule):
         the whole step and the returned value is the (detached) mean micro-batch loss, gradients already
         computed by the schedule."""
         batch = self._context_parallel_shard(batch)
+        if self.cfg.model.enable_cuda_graph:  # the compiled layers' CUDA graphs may overwrite the last step's outputs
+            mark_cuda_graph_step()
         if self.pipeline is not None:  # all micro-batches of the step, forward and backward (1F1B)
             self._zero_grad_before_pipeline()
             loss = self.pipeline.train_step(batch)

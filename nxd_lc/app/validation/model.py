@@ -44,9 +44,41 @@ def memory_problems(cfg: NxdConfig) -> list[str]:
         p.extend(checkpoint_method_problems(m.activations_checkpoint_granularity, m.activations_checkpoint_method,
                                             m.activations_checkpoint_num_layers))
     p.extend(budget_and_offload_problems(cfg))
+    p.extend(cuda_graph_problems(cfg))
     if m.weight_init_only and not cfg.exp_manager.resume_from_checkpoint:
         p.append("model.weight_init_only: needs exp_manager.resume_from_checkpoint (the checkpoint whose model "
                  "weights initialise this run)")
+    return p
+
+
+def cuda_graph_problems(cfg: NxdConfig) -> list[str]:
+    """``model.enable_cuda_graph`` (:func:`nxd_lc.models.common.compile.compile_decoder_layers`): compiled decoder
+    layers on CUDA (``trainer.accelerator`` gpu, or auto; ``model.compile`` true, or auto that the run would not
+    keep eager), and not yet with tensor, context or pipeline parallelism (collectives and the pipeline's
+    send / receive inside captured graphs have not been checked)."""
+    m, ds = cfg.model, cfg.distributed_strategy
+    if not m.enable_cuda_graph:
+        return []
+    key = "model.enable_cuda_graph: true"
+    if cfg.trainer.accelerator not in ("gpu", "auto"):
+        return [f"{key} needs CUDA (trainer.accelerator gpu), not {cfg.trainer.accelerator}; set it false"]
+    p = []
+    if m.compile is False:
+        p.append(f"{key} replays the compiled decoder layers as CUDA graphs, but model.compile is false; set "
+                 "model.compile: true (or auto) or enable_cuda_graph: false")
+    elif m.compile == "auto":
+        from nxd_lc.app.build import decoder_compiled
+
+        if not decoder_compiled(cfg, "gpu"):  # auto keeps the layers eager for a feature not checked under compile
+            p.append(f"{key}: model.compile auto keeps the decoder layers eager for this configuration (see the "
+                     "dry run's log), so there is nothing to capture; set enable_cuda_graph: false")
+    sizes = {"tensor_model_parallel_size": ds.tensor_model_parallel_size,
+             "context_parallel_size": ds.context_parallel_size,
+             "pipeline_model_parallel_size": ds.pipeline_model_parallel_size}
+    for name, size in sizes.items():
+        if size > 1:
+            p.append(f"not supported yet: {key} with distributed_strategy.{name} {size} (collectives inside "
+                     "captured graphs are not checked); set it false")
     return p
 
 

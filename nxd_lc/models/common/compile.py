@@ -82,7 +82,7 @@ def compile_backend(accelerator: str) -> str:
     return "neuron" if accelerator == "neuron_native" else "inductor"  # TorchNeuron's dynamo backend, else inductor
 
 
-def compile_decoder_layers(model: nn.Module, backend: str, fullgraph: bool = True) -> int:
+def compile_decoder_layers(model: nn.Module, backend: str, fullgraph: bool = True, cuda_graphs: bool = False) -> int:
     """Compile every decoder layer ``model`` holds, in place (``layer.compile(backend=..., fullgraph=...)``).
 
     Args:
@@ -90,17 +90,37 @@ def compile_decoder_layers(model: nn.Module, backend: str, fullgraph: bool = Tru
             only this stage's layers (``model.local_layers()``) are compiled.
         backend: a ``torch.compile`` backend (:func:`compile_backend`; tests use ``aot_eager``).
         fullgraph: True (default) makes any graph break an error at the first call.
+        cuda_graphs: ``model.enable_cuda_graph``: inductor's ``mode="reduce-overhead"``, which records each
+            compiled forward and backward graph as a CUDA graph per input shape and replays it (one launch instead
+            of a graph's kernels; CUDA graph trees share one memory pool across the layers). Inductor skips it,
+            logging why, for a graph it cannot capture (CPU tensors inside, e.g. host-side document lengths, or
+            dynamic shapes it would have to re-record); a training step starts with
+            :func:`mark_cuda_graph_step` so that the previous step's replayed outputs may be overwritten.
 
     Returns:
         The number of layers compiled.
 
     Raises:
-        ValueError: the model has no ``layers`` ModuleList.
+        ValueError: the model has no ``layers`` ModuleList; ``cuda_graphs`` with a backend other than inductor
+            (names ``model.enable_cuda_graph``).
     """
     from nxd_lc.models.common.checkpointing import decoder_layers
 
+    if cuda_graphs and backend != "inductor":
+        raise ValueError(f"model.enable_cuda_graph: needs the inductor backend (CUDA), not {backend!r}; set it false")
     layers = decoder_layers(model)
+    mode = {"mode": "reduce-overhead"} if cuda_graphs else {}
     for _, layer in layers:
-        layer.compile(backend=backend, fullgraph=fullgraph)
-    log.info("model.compile: %d decoder layers compiled (backend %s, fullgraph %s)", len(layers), backend, fullgraph)
+        layer.compile(backend=backend, fullgraph=fullgraph, **mode)
+    log.info("model.compile: %d decoder layers compiled (backend %s, fullgraph %s%s)", len(layers), backend, fullgraph,
+             ", CUDA graphs" if cuda_graphs else "")
     return len(layers)
+
+
+def mark_cuda_graph_step() -> None:
+    """Tell CUDA graph trees that a new training step (micro-batch) begins: the outputs the previous one's replays
+    left in the shared pool may be overwritten (``torch.compiler.cudagraph_mark_step_begin``, torch >= 2.1). Called
+    at each training step when ``model.enable_cuda_graph`` is on."""
+    import torch
+
+    torch.compiler.cudagraph_mark_step_begin()
