@@ -22,10 +22,18 @@ Plans measured (:mod:`nxd_lc.models.common.memory_plan`'s names): ``full`` (each
 1.00 ``[S, H]``; ``full_save_attention`` the input, the attention output (``Hq = H``) and its log-sum-exp
 (``heads x S x 4`` bytes = 0.03 ``[S, H]``), 2.03 ``[S, H]``.
 
+``--device cuda`` (run by ``benchmarks/device/accel_step.sh`` on a lent GPU) measures the same on CUDA, with
+``torch.cuda.memory_allocated`` / ``max_memory_allocated`` as the counters, in bf16, the Llama-3.2-1B layer
+shape (:data:`CUDA_SHAPE`) and the kernels the accelerator step uses: eager layers with Liger-Kernel's fused
+norm, RoPE and SwiGLU (``model.fusions`` auto on ``gpu``), compiled layers with plain torch ops for inductor. That
+is the comparison the H200 gap is between (``nxd_fused_full`` against ``nxd_fused_full_compile``); the unit
+``[S, H]`` is then S x H x 2 bytes.
+
 Usage::
 
     .venv/bin/python -m benchmarks.layer_memory                      # S 2048, every plan, writes results/
     .venv/bin/python -m benchmarks.layer_memory --plans full --out x.json
+    python -m benchmarks.layer_memory --device cuda --seq 16384 --plans full,full_save_attention
 """
 
 from __future__ import annotations
@@ -48,6 +56,9 @@ PLANS = ("full", "full_save_attention", "full_tiled_mlp", "none")
 #: the layer: hidden 256, 8 query / 2 KV heads, SwiGLU 688, vocabulary 512, fp32
 SHAPE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 688, "num_attention_heads": 8,
          "num_key_value_heads": 2, "tie_word_embeddings": False}
+#: --device cuda: the Llama-3.2-1B layer (hidden 2048, 32 / 8 heads, SwiGLU 8192), a small vocabulary, bf16
+CUDA_SHAPE = {"vocab_size": 512, "hidden_size": 2048, "intermediate_size": 8192, "num_attention_heads": 32,
+              "num_key_value_heads": 8, "tie_word_embeddings": False}
 _PRELOADED = "NXD_LC_LAYER_MEMORY_PRELOADED"
 
 
@@ -72,12 +83,26 @@ def interposer_path() -> Path:
     return out
 
 
-def _counters() -> tuple[Any, Any, Any]:
-    """The interposer's ``(current, reset_peak, peak)`` byte counters.
+def _counters(device: str = "cpu") -> tuple[Any, Any, Any]:
+    """The ``(current, reset_peak, peak)`` byte counters: the interposer's on CPU, the CUDA caching allocator's
+    (``memory_allocated``; ``reset_peak`` returns the bytes allocated then) on ``cuda``.
 
     Raises:
-        RuntimeError: the interposer is not loaded.
+        RuntimeError: on CPU, the interposer is not loaded.
     """
+    if device == "cuda":
+        import torch
+
+        def reset_peak() -> int:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            return torch.cuda.memory_allocated()
+
+        def current() -> int:
+            torch.cuda.synchronize()
+            return torch.cuda.memory_allocated()
+
+        return current, reset_peak, torch.cuda.max_memory_allocated
     lib = ctypes.CDLL(None)
     try:
         counters = lib.memtrack_current, lib.memtrack_reset_peak, lib.memtrack_peak
@@ -89,17 +114,23 @@ def _counters() -> tuple[Any, Any, Any]:
     return counters
 
 
-def _build(layers: int, plan: str, compiled: bool, seq: int) -> Any:
+def _build(layers: int, plan: str, compiled: bool, seq: int, device: str = "cpu") -> Any:
     import torch
     from transformers import LlamaConfig
 
+    from nxd_lc.layers.fusions import resolve_fusions
     from nxd_lc.models.common.checkpointing import apply_activation_checkpointing, apply_tiled_mlp
     from nxd_lc.models.common.compile import compile_decoder_layers
+    from nxd_lc.models.common.fusions import apply_fusions
     from nxd_lc.models.llama import LlamaForCausalLM
 
-    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=seq, **SHAPE)
+    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=seq, **shape)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if device == "cuda":  # the accelerator step's kernels: Liger's in eager layers, torch ops for inductor
+        apply_fusions(model, resolve_fusions({}, "gpu", compiled=compiled))
+        model = model.to(device="cuda", dtype=torch.bfloat16)
     if plan != "none":
         apply_activation_checkpointing(model, "full", save_attention=plan == "full_save_attention")
     apply_tiled_mlp(model, 512 if plan == "full_tiled_mlp" else None)
@@ -108,13 +139,14 @@ def _build(layers: int, plan: str, compiled: bool, seq: int) -> Any:
     return model
 
 
-def _measure(layers: int, plan: str, compiled: bool, seq: int) -> dict[str, Any]:
+def _measure(layers: int, plan: str, compiled: bool, seq: int, device: str = "cpu") -> dict[str, Any]:
     """One model: two warm-up steps, then the measured one."""
     import torch
 
-    current, reset_peak, peak = _counters()
-    model = _build(layers, plan, compiled, seq)
-    ids = torch.randint(0, SHAPE["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1))
+    current, reset_peak, peak = _counters(device)
+    model = _build(layers, plan, compiled, seq, device)
+    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    ids = torch.randint(0, shape["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     for _ in range(2):
         total, count = model.loss(ids, ids)
         (total / count).backward()
@@ -125,31 +157,32 @@ def _measure(layers: int, plan: str, compiled: bool, seq: int) -> dict[str, Any]
     loss = total / count
     loss.backward()
     step_peak = peak() - start
-    grads = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+    grads = {n: p.grad.detach().float().cpu() for n, p in model.named_parameters()}
     return {"kept": kept, "peak": step_peak, "loss": float(loss.detach()), "grads": grads}
 
 
-def measure(plans: tuple[str, ...] = PLANS, seq: int = 2048) -> list[dict[str, Any]]:
+def measure(plans: tuple[str, ...] = PLANS, seq: int = 2048, device: str = "cpu") -> list[dict[str, Any]]:
     """Per plan and mode (eager, compiled): kept bytes per layer, the 4-layer step's peak, both also in ``[S, H]``
-    units, and the compiled run's largest gradient difference to eager's (module docstring). Needs the interposer
-    loaded (:func:`main` re-executes with it).
+    units, and the compiled run's largest gradient difference to eager's (module docstring). On CPU it needs the
+    interposer loaded (:func:`main` re-executes with it).
 
     Raises:
-        RuntimeError: the interposer is not loaded.
+        RuntimeError: on CPU, the interposer is not loaded.
     """
     import torch
 
     from nxd_lc.distributed import parallel_state
 
-    _counters()
+    _counters(device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1)
-    unit = seq * SHAPE["hidden_size"] * 4
+    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    unit = seq * shape["hidden_size"] * (2 if device == "cuda" else 4)
     rows = []
     for plan in plans:
         eager_grads = None
         for compiled in (False, True):
-            two, four = _measure(2, plan, compiled, seq), _measure(4, plan, compiled, seq)
+            two, four = _measure(2, plan, compiled, seq, device), _measure(4, plan, compiled, seq, device)
             row = {"plan": plan, "mode": "compiled (inductor)" if compiled else "eager",
                    "kept_per_layer_bytes": (four["kept"] - two["kept"]) // 2, "peak_bytes": four["peak"],
                    "loss": four["loss"]}
@@ -164,9 +197,10 @@ def measure(plans: tuple[str, ...] = PLANS, seq: int = 2048) -> list[dict[str, A
     return rows
 
 
-def _table(rows: list[dict[str, Any]], seq: int) -> str:
-    lines = [f"# Bytes kept per decoder layer and step peak, eager vs compiled (CPU, S {seq}, H {SHAPE['hidden_size']},"
-             " fp32; unit [S, H] = S x H x 4 bytes)", "",
+def _table(rows: list[dict[str, Any]], seq: int, device: str = "cpu") -> str:
+    where = (f"CUDA, S {seq}, H {CUDA_SHAPE['hidden_size']}, bf16, eager with Liger's kernels; unit [S, H] = S x H x 2"
+             if device == "cuda" else f"CPU, S {seq}, H {SHAPE['hidden_size']}, fp32; unit [S, H] = S x H x 4")
+    lines = [f"# Bytes kept per decoder layer and step peak, eager vs compiled ({where} bytes)", "",
              "| plan | mode | kept per layer ([S, H]) | 4-layer step peak ([S, H]) | compiled / eager peak | "
              "max grad diff vs eager |", "|---|---|---|---|---|---|"]
     eager = {r["plan"]: r for r in rows if r["mode"] == "eager"}
@@ -185,26 +219,30 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plans", default=",".join(PLANS), help=f"comma-separated, of {', '.join(PLANS)}")
     p.add_argument("--seq", type=int, default=2048, help="sequence length (one sequence)")
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/layer_memory_<stamp>.json)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cpu: host bytes through the malloc interposer; cuda: the CUDA allocator's counters")
     args = p.parse_args(argv)
     plans = tuple(x for x in args.plans.split(",") if x)
     unknown = [x for x in plans if x not in PLANS]
     if unknown:
         p.error(f"--plans: unknown {unknown}; choose from {list(PLANS)}")
-    if os.environ.get(_PRELOADED) != "1":
+    if args.device == "cpu" and os.environ.get(_PRELOADED) != "1":
         env = {**os.environ, "LD_PRELOAD": str(interposer_path()), _PRELOADED: "1"}
         cmd = [sys.executable, "-m", "benchmarks.layer_memory", *(argv if argv is not None else sys.argv[1:])]
         return subprocess.run(cmd, env=env, cwd=str(ROOT), check=False).returncode
     import time
 
-    rows = measure(plans, args.seq)
+    rows = measure(plans, args.seq, args.device)
     import torch
 
     stamp = time.strftime("%Y%m%d_%H%M%S")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layer_memory_{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"seq": args.seq, "shape": SHAPE, "torch": torch.__version__, "rows": rows,
-                               "stamp": stamp}, indent=1))
-    table = _table(rows, args.seq)
+    shape = CUDA_SHAPE if args.device == "cuda" else SHAPE
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out.write_text(json.dumps({"seq": args.seq, "shape": shape, "device": device, "torch": torch.__version__,
+                               "rows": rows, "stamp": stamp}, indent=1))
+    table = _table(rows, args.seq, args.device)
     out.with_suffix(".md").write_text(table)
     print(table)
     return 0

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The whole accelerator step comparison (benchmarks/accel_step.py) on one H100 / H200, in about 7.5 minutes.
+# The whole accelerator step comparison (benchmarks/accel_step.py) on one H100 / H200, in about 8.5 minutes.
 #
 # Run from the repository root on the device machine, with .device_wheels/ carried along
 # (bash benchmarks/device/fetch_wheels.sh here first); the device tool's call is:
-#     run(command="bash benchmarks/device/accel_step.sh", carry=[".device_wheels"], timeout_s=540)
+#     run(command="bash benchmarks/device/accel_step.sh", carry=[".device_wheels"], timeout_s=570)
 # Results: $OUT/accel_step_<stamp>.{json,md,log} where OUT is set (the device tool returns $OUT), else
 # benchmarks/results/.
 #
@@ -16,15 +16,21 @@
 # it within ACCEL_TOTAL_S seconds from the start of this script (the implementations left when it is spent are
 # recorded as skipped).
 #
+# Then benchmarks/layer_memory.py --device cuda (issue 41, item 1: the bytes a layer keeps, eager with Liger's kernels
+# against compiled), at most ACCEL_LAYER_MEMORY_S seconds.
+#
 # Environment overrides (defaults in brackets): PYTHON [python3], SITE_DIR [/tmp/site], HF_DIR
-# [/tmp/accel_step_hf1b], ACCEL_TOTAL_S [450], ACCEL_IMPL_TIMEOUT_S [100], ACCEL_STEPS [2],
+# [/tmp/accel_step_hf1b], ACCEL_TOTAL_S [400], ACCEL_IMPL_TIMEOUT_S [100], ACCEL_STEPS [2],
+# ACCEL_LAYER_MEMORY_S [100; 0 = skip], ACCEL_LAYER_MEMORY_SEQ [16384],
 # ACCEL_LENS [4096,16384,65536,131072], ACCEL_NXD_EXTRA_LENS [196608,262144], ACCEL_IMPLS [all, baselines first],
 # ACCEL_TINY [unset; 1 = the tiny model, for trying the script on a CPU].
 set -euo pipefail
 START=$SECONDS
 PY=${PYTHON:-python3}
 SITE=${SITE_DIR:-/tmp/site}
-TOTAL_S=${ACCEL_TOTAL_S:-450}
+TOTAL_S=${ACCEL_TOTAL_S:-400}
+LAYER_MEMORY_S=${ACCEL_LAYER_MEMORY_S:-100}  # after the comparison: benchmarks/layer_memory.py --device cuda
+LAYER_MEMORY_SEQ=${ACCEL_LAYER_MEMORY_SEQ:-16384}
 MARGIN_S=15  # writing the results after the budget
 IMPL_TIMEOUT_S=${ACCEL_IMPL_TIMEOUT_S:-100}
 STEPS=${ACCEL_STEPS:-2}
@@ -69,6 +75,14 @@ main() {
   "$PY" -m benchmarks.accel_step compare --hf-dir "$HF_DIR" --lens "$LENS" --nxd-extra-lens "$NXD_EXTRA_LENS" \
     --impls "$IMPLS" --steps "$STEPS" --time-budget-s "$BUDGET" --impl-timeout-s "$IMPL_TIMEOUT_S" \
     --out "$RESULTS/accel_step_$STAMP.json"
+  echo "accel_step.sh: comparison done at $(( SECONDS - START )) s"
+
+  # issue 41, item 1: bytes a decoder layer keeps, eager (Liger's kernels) against compiled, on CUDA
+  if [ -z "${ACCEL_TINY:-}" ] && [ "$LAYER_MEMORY_S" -gt 0 ]; then
+    timeout "$LAYER_MEMORY_S" "$PY" -m benchmarks.layer_memory --device cuda --seq "$LAYER_MEMORY_SEQ" \
+      --plans full,full_save_attention --out "$RESULTS/layer_memory_cuda_$STAMP.json" \
+      || echo "layer_memory on CUDA: failed or out of time (${LAYER_MEMORY_S} s)"
+  fi
   echo "accel_step.sh: done in $(( SECONDS - START )) s"
 }
 

@@ -28,7 +28,8 @@ Plans 3, 4 and 7 are skipped where they cannot run: on torch-xla (its checkpoint
 offload hooks) all three; plans 4 and 7 with compiled layers (dynamo does not trace the offload hooks) and on the CPU
 (host memory is the device's: offloading frees nothing). The order is by recomputation, not measured per length:
 plan 4 is placed before 5 because at 64k-128k tokens the attention is most of a layer's recomputation, and its
-copies (``[T, H]`` twice per layer each way) take about a tenth of the layer's time over PCIe 5 on an H200.
+copies should hide behind compute: at 64k tokens of the 1B shape about 0.5 GiB per layer each way, ~10 ms at
+55 GB/s (PCIe 5), against ~240 ms per layer of the baseline's measured H200 step (an estimate: not measured yet).
 
 The loss is untiled when its logits fit in what the layers leave of the budget, else tiled
 (``tiled_loss_chunk_size`` 1024) -- unless Liger's fused linear cross-entropy is the loss kernel, which never holds
