@@ -21,7 +21,7 @@
 #
 # Environment overrides (defaults in brackets): PYTHON [python3], SITE_DIR [/tmp/site], HF_DIR
 # [/tmp/accel_step_hf1b], ACCEL_TOTAL_S [400], ACCEL_IMPL_TIMEOUT_S [100], ACCEL_STEPS [2],
-# ACCEL_LAYER_MEMORY_S [100; 0 = skip], ACCEL_LAYER_MEMORY_SEQ [16384],
+# ACCEL_LAYER_MEMORY_S [100; 0 = skip], ACCEL_LAYER_MEMORY_SEQ [16384], ACCEL_LAYER_MEMORY_PLANS [full],
 # ACCEL_LENS [4096,16384,65536,131072], ACCEL_NXD_EXTRA_LENS [196608,262144], ACCEL_IMPLS [all, baselines first],
 # ACCEL_TINY [unset; 1 = the tiny model, for trying the script on a CPU].
 set -euo pipefail
@@ -31,6 +31,7 @@ SITE=${SITE_DIR:-/tmp/site}
 TOTAL_S=${ACCEL_TOTAL_S:-400}
 LAYER_MEMORY_S=${ACCEL_LAYER_MEMORY_S:-100}  # after the comparison: benchmarks/layer_memory.py --device cuda
 LAYER_MEMORY_SEQ=${ACCEL_LAYER_MEMORY_SEQ:-16384}
+LAYER_MEMORY_PLANS=${ACCEL_LAYER_MEMORY_PLANS:-full}  # the plan of the H200 gap (nxd_fused_full vs its compile)
 MARGIN_S=15  # writing the results after the budget
 IMPL_TIMEOUT_S=${ACCEL_IMPL_TIMEOUT_S:-100}
 STEPS=${ACCEL_STEPS:-2}
@@ -80,7 +81,7 @@ main() {
   # issue 41, item 1: bytes a decoder layer keeps, eager (Liger's kernels) against compiled, on CUDA
   if [ -z "${ACCEL_TINY:-}" ] && [ "$LAYER_MEMORY_S" -gt 0 ]; then
     timeout "$LAYER_MEMORY_S" "$PY" -m benchmarks.layer_memory --device cuda --seq "$LAYER_MEMORY_SEQ" \
-      --plans full,full_save_attention --out "$RESULTS/layer_memory_cuda_$STAMP.json" \
+      --plans "$LAYER_MEMORY_PLANS" --out "$RESULTS/layer_memory_cuda_$STAMP.json" \
       || echo "layer_memory on CUDA: failed or out of time (${LAYER_MEMORY_S} s)"
   fi
   echo "accel_step.sh: done in $(( SECONDS - START )) s"
