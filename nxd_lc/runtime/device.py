@@ -55,6 +55,12 @@ def is_xla_accelerator(accelerator: str) -> bool:
     return accelerator in ("xla", "neuron")
 
 
+def has_device_memory(accelerator: str) -> bool:
+    """Whether a resolved ``trainer.accelerator`` computes in memory of its own, apart from the host's (everything
+    but ``cpu``): moving activations to the host frees something there only then."""
+    return accelerator != "cpu"
+
+
 def neuron_resolution() -> Optional[str]:
     """What ``trainer.accelerator: neuron`` means on this host: 'neuron_native' (TorchNeuron's PrivateUse1
     device, torch >= 2.10), 'neuron' (torch-xla based torch-neuronx), or None (no usable torch-neuronx)."""

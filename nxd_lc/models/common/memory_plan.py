@@ -95,7 +95,7 @@ from nxd_lc.distributed import parallel_state
 from nxd_lc.layers.fusions import resolve_fusions
 from nxd_lc.models.common.checkpointing import apply_memory_techniques
 from nxd_lc.models.common.fusions import apply_fusions
-from nxd_lc.runtime.device import is_xla_accelerator
+from nxd_lc.runtime.device import has_device_memory, is_xla_accelerator
 
 if TYPE_CHECKING:
     from nxd_lc.config.schema import ModelConfig
@@ -419,7 +419,7 @@ def offload_allowed(accelerator: str, compiled: bool) -> bool:
     """Whether the planner may choose an offload plan: eager layers on an accelerator with its own memory (not
     ``cpu``, whose host memory is the device's; not compiled layers, whose graphs dynamo cannot trace with the
     offload hooks; torch-xla is excluded by ``lazy``)."""
-    return not compiled and accelerator != "cpu"
+    return not compiled and has_device_memory(accelerator)
 
 
 def model_plan_shape(model: nn.Module, tokens: int, *, sequence_parallel: bool, element_size: int,
