@@ -441,3 +441,32 @@ def test_sequence_parallel_counts_the_column_layers_input_shard(recompute: froze
     assert kept - kept_sp == layers * (t - t // tp) * (2 * (e * h + 4) + 2 * e * h)
     recomputed_mlp_input = (t - t // tp) * e * h if recompute else 0
     assert once_sp - once == t * e * h - recomputed_mlp_input
+
+
+def test_offloaded_activations_are_judged_against_the_host(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An offload plan's host bytes (every layer's input, and with save_attention its attention output and
+    log-sum-exp: by hand below) are reported per rank and judged against this host's memory for the node's ranks;
+    on trainer.accelerator cpu they count as device activations instead."""
+    from nxd_lc.app.validation import memory_judgement
+
+    json_path = _json(tmp_path, num_hidden_layers=3, vocab_size=1024, hidden_size=128, intermediate_size=256,
+                      max_position_embeddings=512)
+    keys = {"activations_checkpoint_granularity": "full", "activations_offload": True,
+            "activations_checkpoint_save_attention": True}
+    raw = _raw(json_path, seq=512, model=keys)
+    raw["trainer"]["accelerator"] = "auto"  # not the host's own memory (the run's device is not known here)
+    cfg = load_config(raw)
+    est = memory.estimate_memory(cfg, read_model_json(cfg))
+    heads = read_model_json(cfg)["num_attention_heads"]
+    per_layer = 512 * (128 * 4 + 128 * 4 + heads * 4)  # fp32: input [S, H], attention output [S, H], lse [heads, S]
+    assert est.host_offload == 3 * per_layer
+    assert any("offloaded to host memory" in line for line in est.describe())
+    monkeypatch.setattr(memory_judgement, "host_memory", lambda: 10 * est.host_offload)
+    assert memory_judgement.memory_estimate_problems(cfg, read_model_json(cfg)) == ([], [])
+    monkeypatch.setattr(memory_judgement, "host_memory", lambda: est.host_offload // 2)
+    problems, _ = memory_judgement.memory_estimate_problems(cfg, read_model_json(cfg))
+    assert len(problems) == 1 and problems[0].startswith("model.activations_offload: the activations offloaded to "
+                                                         "host memory") and "200% of this host's memory" in problems[0]
+    raw["trainer"]["accelerator"] = "cpu"
+    on_cpu = memory.estimate_memory(load_config(raw), read_model_json(cfg))
+    assert on_cpu.host_offload == 0 and on_cpu.activations == est.activations + est.host_offload

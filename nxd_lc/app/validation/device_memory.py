@@ -8,12 +8,20 @@ import os
 
 from nxd_lc.config.schema import NxdConfig
 
-__all__ = ["NEURON_HBM_PER_CORE", "device_memory", "neuron_core_memory"]
+__all__ = ["NEURON_HBM_PER_CORE", "device_memory", "host_memory", "neuron_core_memory"]
 
 _GIB = 2**30
 #: HBM per physical NeuronCore (bytes): Trn1 32 GiB per Trainium chip of 2 NeuronCores, Trn2 96 GiB per Trainium2
 #: chip of 8, Trn3 144 GiB per chip of 8 (:func:`neuron_core_memory`)
 NEURON_HBM_PER_CORE = {"trn1": 16 * _GIB, "trn2": 24 * _GIB, "trn3": 18 * _GIB}
+
+
+def host_memory() -> int | None:
+    """This host's physical memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
@@ -26,9 +34,8 @@ def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
 
     name = str(cfg.trainer.accelerator)
     if name == "cpu":
-        try:
-            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-        except (ValueError, OSError, AttributeError):
+        ram = host_memory()
+        if ram is None:
             return None, "host memory not readable on this system"
         ranks = max(1, cfg.trainer.devices)
         return ram // ranks, f"this host's memory shared by trainer.devices={ranks} ranks"

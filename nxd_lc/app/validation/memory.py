@@ -134,6 +134,8 @@ class MemoryEstimate:
         parameters, gradients, optimizer_state, master_weights, step_buffers, activations, reference: bytes.
         pipeline_rank: the pipeline rank the numbers are of (the largest total).
         device_bytes: the memory available to one rank (None: unknown); device: what it is, in words.
+        host_offload: activation bytes the rank keeps in host memory (``model.activations_offload``; not in
+            ``total``; on ``trainer.accelerator: cpu`` they are counted in ``activations`` instead).
     """
 
     parameters: int
@@ -147,6 +149,7 @@ class MemoryEstimate:
     device_bytes: int | None
     device: str
     notes: tuple[str, ...] = ()
+    host_offload: int = 0
 
     @property
     def total(self) -> int:
@@ -169,6 +172,8 @@ class MemoryEstimate:
                          f"({size_text(self.device_bytes)} per rank)")
         else:
             lines.append(f"  device memory unknown ({self.device}): not judged")
+        if self.host_offload:
+            lines.append(f"  activations offloaded to host memory: {size_text(self.host_offload)} per rank")
         return lines + [f"  {n}" for n in self.notes]
 
 
@@ -415,8 +420,9 @@ def _zero1_shards(cfg: NxdConfig) -> bool:
 
 
 def _activation_split(a: Architecture, cfg: NxdConfig, layers: int, head: bool,
-                      full_layers: int | None = None) -> tuple[int, int, str | None]:
-    """``(kept per micro-batch, once, note)`` activation bytes of a rank or stage holding ``layers`` decoder layers
+                      full_layers: int | None = None) -> tuple[int, int, int, str | None]:
+    """``(kept per micro-batch, once, offloaded to the host per micro-batch, note)`` activation bytes of a rank or
+    stage holding ``layers`` decoder layers
     (and the final norm, head and loss when ``head``): :func:`~nxd_lc.models.common.memory_plan.estimate_split`
     for the configured recomputation; ``full_layers``: of them, those recomputed by ``block`` checkpointing (None:
     ``model.activations_checkpoint_num_layers``)."""
@@ -448,14 +454,15 @@ def _activation_split(a: Architecture, cfg: NxdConfig, layers: int, head: bool,
         none_all = estimate_split(shape, "none", loss_chunk)
         none_n = estimate_split(dataclasses.replace(shape, layers=n), "none", loss_chunk)
         once = full[1] if n else none_all[1]
-        return full[0] + none_all[0] - none_n[0], once, note
-    kept, once, _ = estimate_split(shape, plan, loss_chunk, parts)
-    return kept, once, note
+        return full[0] + none_all[0] - none_n[0], once, 0, note
+    kept, once, host = estimate_split(shape, plan, loss_chunk, parts)
+    return kept, once, host, note
 
 
 def _rank_activations(a: Architecture, cfg: NxdConfig, pipeline_rank: int,
-                      num_micro: int) -> tuple[int, str | None]:
-    """Activation bytes of pipeline rank ``pipeline_rank`` at its peak, and a note: the micro-batches in flight
+                      num_micro: int) -> tuple[int, int, str | None]:
+    """Activation bytes of pipeline rank ``pipeline_rank`` at its peak on the device and in host memory (offload),
+    and a note: the micro-batches in flight
     times what one keeps, plus what one backward needs once. In flight (``S = PP x V`` stages, ``m`` micro-batches):
     1F1B's ``min(m, PP - r)`` micro-batches of the rank's layers on eager devices; on torch-xla (the lockstep
     schedule, :func:`nxd_lc.pipeline.lockstep.lockstep_in_flight`) ``min(m, S - k)`` of stage ``k``'s layers for
@@ -464,8 +471,9 @@ def _rank_activations(a: Architecture, cfg: NxdConfig, pipeline_rank: int,
     pp, virtual = ds.pipeline_model_parallel_size, ds.virtual_pipeline_model_parallel_size
     ranges, _, head = _rank_part(a, cfg, pipeline_rank)
     if pp == 1 or virtual == 1 or not _runs_lockstep(cfg):
-        kept, once, note = _activation_split(a, cfg, sum(len(r) for r in ranges), head)
-        return (min(num_micro, pp - pipeline_rank) if pp > 1 else 1) * kept + once, note
+        kept, once, host, note = _activation_split(a, cfg, sum(len(r) for r in ranges), head)
+        in_flight = min(num_micro, pp - pipeline_rank) if pp > 1 else 1
+        return in_flight * kept + once, in_flight * host, note
     from nxd_lc.pipeline import stage_layer_ranges, stages_of_rank
     from nxd_lc.pipeline.lockstep import lockstep_in_flight
 
@@ -475,11 +483,12 @@ def _rank_activations(a: Architecture, cfg: NxdConfig, pipeline_rank: int,
     total, once, note = 0, 0, None
     for k in stages:
         n = len(ranges[k])
-        kept, stage_once, note = _activation_split(a, cfg, n, k == len(ranges) - 1, full_layers=min(n, full_left))
+        kept, stage_once, _, note = _activation_split(a, cfg, n, k == len(ranges) - 1,
+                                                      full_layers=min(n, full_left))
         full_left = max(0, full_left - n)
         total += lockstep_in_flight(len(ranges), k, num_micro) * kept
         once = max(once, stage_once)
-    return total + once, note
+    return total + once, 0, note  # torch-xla: no offload
 
 
 def _runs_lockstep(cfg: NxdConfig) -> bool:
@@ -548,11 +557,13 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
     for rank in range(pp):
         tensors = rank_tensors(a, cfg, rank)
         params, grads, state, master, step = state_bytes(tensors, cfg)
-        acts, note = _rank_activations(a, cfg, rank, mbs)
+        acts, host, note = _rank_activations(a, cfg, rank, mbs)
+        if str(cfg.trainer.accelerator) == "cpu":  # the host's memory is the device's: offloading frees nothing
+            acts, host = acts + host, 0
         dpo = cfg.model_alignment_strategy.dpo if cfg.model_alignment_strategy is not None else None
         reference = params if dpo is not None and not dpo.precompute_ref_log_probs else 0
         est = MemoryEstimate(params, grads, state, master, step, acts, reference, rank, device_bytes, device,
-                             tuple(notes + ([note] if note else [])))
+                             tuple(notes + ([note] if note else [])), host)
         if best is None or est.total > best.total:
             best = est
     return best

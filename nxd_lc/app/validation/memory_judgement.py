@@ -1,6 +1,8 @@
 """The memory estimate (:mod:`nxd_lc.app.validation.memory`) judged against the device's memory
 (:func:`memory_estimate_problems`): above it the config is refused naming the keys to change, above
-:data:`~nxd_lc.app.validation.memory.WARN_FRACTION` of it a warning.
+:data:`~nxd_lc.app.validation.memory.WARN_FRACTION` of it a warning. The activations an offload plan keeps in host
+memory (``model.activations_offload``, or the plan a budget chooses) are judged the same way against this host's
+memory, for the node's ``trainer.devices`` ranks together.
 
 A model no layout of the job can hold (issue 40, item 5) is refused naming the size that makes it so --
 config.json's field (with the file's path) or the ``model:`` key that set it -- instead of the layout keys, which
@@ -25,6 +27,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from nxd_lc.app.validation.device_memory import host_memory
 from nxd_lc.app.validation.memory import (
     WARN_FRACTION,
     Architecture,
@@ -139,6 +142,35 @@ def memory_estimate_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> tu
     est = estimate_memory(cfg, hf)
     if est is None:
         return [], []
+    host_problems, host_warnings = _host_offload_problems(cfg, est)
+    device_problems, device_warnings = _device_problems(cfg, hf, est)
+    return host_problems + device_problems, host_warnings + device_warnings
+
+
+def _host_offload_problems(cfg: NxdConfig, est: MemoryEstimate) -> tuple[list[str], list[str]]:
+    """The activations an offload plan keeps in host memory, for every rank of this node (``trainer.devices``),
+    against this host's memory: a problem above it, a warning above :data:`WARN_FRACTION` of it (the host also
+    holds the processes, the data and the checkpoints' staging)."""
+    ram = host_memory()
+    if not est.host_offload or not ram:
+        return [], []
+    ranks = max(1, cfg.trainer.devices)
+    node = est.host_offload * ranks
+    share = node / ram
+    if share <= WARN_FRACTION:
+        return [], []
+    key = ("model.activations_memory_budget" if cfg.model.activations_memory_budget is not None
+           else "model.activations_offload")
+    text = (f"{key}: the activations offloaded to host memory, {size_text(est.host_offload)} per rank x "
+            f"trainer.devices={ranks}, are {100 * share:.0f}% of this host's memory ({size_text(ram)}); shorten "
+            "data.seq_length, add context parallelism (distributed_strategy.context_parallel_size) or "
+            + ("raise the budget" if key.endswith("budget") else "set model.activations_offload: false"))
+    return ([text], []) if share > 1 else ([], [text + " (above 90%)"])
+
+
+def _device_problems(cfg: NxdConfig, hf: Mapping[str, Any] | None,
+                     est: MemoryEstimate) -> tuple[list[str], list[str]]:
+    """:func:`memory_estimate_problems`' judgement of the device's memory."""
     if not est.device_bytes:  # device unknown: only a model no device and no layout holds is refused
         a = architecture(cfg, hf)
         problem = unplaceable_size_problem(cfg, a, LARGEST_DEVICE_BYTES, _LARGEST_DEVICE) if a is not None else None
