@@ -248,6 +248,11 @@ def baseline_budget(baseline_peak_gib: float, cfg: Mapping[str, Any], element_si
     return f"{int(budget // 2**20)}MiB" if budget >= 2**20 else None
 
 
+def _at_baseline(impl: str) -> bool:
+    """The implementation's budget is the baseline's peak (:data:`BASELINE_PEAK_BUDGET`)."""
+    return impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") == BASELINE_PEAK_BUDGET
+
+
 def _planned(impl: str) -> bool:
     """The implementation's memory keys come from a budget: its model is built again for each length."""
     return impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") is not None
@@ -273,7 +278,7 @@ def _build(impl: str, hf_dir: str, device: Any, dtype: Any, seq_len: int | None 
     from benchmarks.nxd_options import build_nxd_model
 
     opts = nxd_opts(impl)
-    if opts.get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+    if _at_baseline(impl):
         if budget is None:
             raise ValueError(f"{impl}: its budget is the baseline's peak less the static bytes, and none was given")
         opts = {**opts, "activations_memory_budget": budget}
@@ -466,7 +471,7 @@ def run_impl(impl: str, hf_dir: str, lens: Sequence[int], steps: int, out: str, 
                 print(json.dumps(point), flush=True)
                 break
         budget = None
-        if impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+        if _at_baseline(impl):
             peak = (baseline_peaks or {}).get(seq_len)
             budget = None if peak is None else baseline_budget(peak, cfg, dtype.itemsize)
             if budget is None:
@@ -681,7 +686,7 @@ def compare(hf_dir: str, lens: Sequence[int], impls: Sequence[str], out: str, st
                     "--steps", str(steps), "--out", child_out, "--device", device_choice, "--dtype", dtype_choice]
             if allotted is not None:
                 argv += ["--deadline-s", f"{allotted:.1f}"]
-            if impl in NXD_IMPLS and nxd_opts(impl).get("activations_memory_budget") == BASELINE_PEAK_BUDGET:
+            if _at_baseline(impl):
                 peaks = baseline_peaks(result)
                 if not peaks:
                     result["impls"][impl] = {"points": [], "skipped": (

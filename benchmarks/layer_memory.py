@@ -62,6 +62,11 @@ CUDA_SHAPE = {"vocab_size": 512, "hidden_size": 2048, "intermediate_size": 8192,
 _PRELOADED = "NXD_LC_LAYER_MEMORY_PRELOADED"
 
 
+def _shape(device: str) -> dict[str, Any]:
+    """The layer shape measured on ``device``: :data:`CUDA_SHAPE` on ``cuda``, else :data:`SHAPE`."""
+    return CUDA_SHAPE if device == "cuda" else SHAPE
+
+
 def interposer_path() -> Path:
     """Build ``malloc_peak.c`` into a shared library (once per source content) and return its path.
 
@@ -124,7 +129,7 @@ def _build(layers: int, plan: str, compiled: bool, seq: int, device: str = "cpu"
     from nxd_lc.models.common.fusions import apply_fusions
     from nxd_lc.models.llama import LlamaForCausalLM
 
-    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    shape = _shape(device)
     config = LlamaConfig(num_hidden_layers=layers, max_position_embeddings=seq, **shape)
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
@@ -145,7 +150,7 @@ def _measure(layers: int, plan: str, compiled: bool, seq: int, device: str = "cp
 
     current, reset_peak, peak = _counters(device)
     model = _build(layers, plan, compiled, seq, device)
-    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    shape = _shape(device)
     ids = torch.randint(0, shape["vocab_size"], (1, seq), generator=torch.Generator().manual_seed(1)).to(device)
     for _ in range(2):
         total, count = model.loss(ids, ids)
@@ -176,7 +181,7 @@ def measure(plans: tuple[str, ...] = PLANS, seq: int = 2048, device: str = "cpu"
     _counters(device)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1)
-    shape = CUDA_SHAPE if device == "cuda" else SHAPE
+    shape = _shape(device)
     unit = seq * shape["hidden_size"] * (2 if device == "cuda" else 4)
     rows = []
     for plan in plans:
@@ -238,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     stamp = time.strftime("%Y%m%d_%H%M%S")
     out = Path(args.out) if args.out else ROOT / "benchmarks" / "results" / f"layer_memory_{stamp}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    shape = CUDA_SHAPE if args.device == "cuda" else SHAPE
+    shape = _shape(args.device)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out.write_text(json.dumps({"seq": args.seq, "shape": shape, "device": device, "torch": torch.__version__,
                                "rows": rows, "stamp": stamp}, indent=1))

@@ -120,12 +120,12 @@ def build_model(cfg: NxdConfig, accelerator: str | None = None) -> tuple[Any, An
         element_size=(policy.autocast_dtype or policy.param_dtype).itemsize,
         tensor_parallel=ds.tensor_model_parallel_size, sequence_parallel=ds.sequence_parallel)
     if checkpointed:
+        offloaded = ""
+        if m.activations_offload:
+            kept = "inputs and attention outputs" if m.activations_checkpoint_save_attention else "inputs"
+            offloaded = f", {kept} offloaded to host"
         log.info("activation checkpointing (%s%s): %d modules recomputed in backward",
-                 m.activations_checkpoint_granularity,
-                 ", inputs and attention outputs offloaded to host" if m.activations_offload
-                 and m.activations_checkpoint_save_attention else ", inputs offloaded to host" if m.activations_offload
-                 else "",
-                 len(checkpointed))
+                 m.activations_checkpoint_granularity, offloaded, len(checkpointed))
     peft = peft_config(cfg)
     if peft is not None:  # after memory techniques: LoRA changes the module classes they select by name
         _apply_peft(model, peft)

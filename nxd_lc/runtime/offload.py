@@ -72,8 +72,13 @@ class OffloadGroup:
     def prefetch(self) -> None:
         """Start copying every tensor of the group back to its device (no-op for those already there)."""
         for item in self._items:
-            if isinstance(item, _Item) and item.on_device is None:
-                item.on_device, item.ready = self._offloader.to_device(item.host, item.device, item.ready)
+            if isinstance(item, _Item):
+                self._bring_back(item)
+
+    def _bring_back(self, item: _Item) -> None:
+        """Start the copy of ``item`` back to its device unless it is there already."""
+        if item.on_device is None:
+            item.on_device, item.ready = self._offloader.to_device(item.host, item.device, item.ready)
 
     def get(self, index: int) -> torch.Tensor:
         """The device copy of the tensor :meth:`offload` returned ``index`` for, ready for the current stream.
@@ -93,8 +98,7 @@ class OffloadGroup:
         item = self._items[index]
         if not isinstance(item, _Item):
             return item
-        if item.on_device is None:
-            item.on_device, item.ready = self._offloader.to_device(item.host, item.device, item.ready)
+        self._bring_back(item)  # already under way unless a retained graph fetches it again
         tensor, item.on_device = item.on_device, None
         self._offloader.wait(tensor, item.ready)
         return tensor

@@ -68,6 +68,7 @@ from nxd_lc.models.common.memory_plan import (
     offload_allowed,
     recompute_parts,
 )
+from nxd_lc.runtime.device import has_device_memory
 
 __all__ = ["NEURON_HBM_PER_CORE", "WARN_FRACTION", "Architecture", "MemoryEstimate", "architecture", "device_memory",
            "estimate_memory", "layer_kinds", "neuron_core_memory", "optimizer_state_bytes",
@@ -558,7 +559,7 @@ def estimate_memory(cfg: NxdConfig, hf: Mapping[str, Any] | None) -> MemoryEstim
         tensors = rank_tensors(a, cfg, rank)
         params, grads, state, master, step = state_bytes(tensors, cfg)
         acts, host, note = _rank_activations(a, cfg, rank, mbs)
-        if str(cfg.trainer.accelerator) == "cpu":  # the host's memory is the device's: offloading frees nothing
+        if not has_device_memory(str(cfg.trainer.accelerator)):  # the host's memory is the device's: offload frees none
             acts, host = acts + host, 0
         dpo = cfg.model_alignment_strategy.dpo if cfg.model_alignment_strategy is not None else None
         reference = params if dpo is not None and not dpo.precompute_ref_log_probs else 0
