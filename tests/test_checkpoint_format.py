@@ -354,8 +354,9 @@ def _tp_round_trip_worker(rank: int, world_size: int, root: str) -> None:
     model, optim, user = _states(10 + rank)
     _save(root, "step_1", model, optim, user, tp_rank=rank, is_global_zero=rank == 0)
     names = sorted(os.listdir(os.path.join(root, "step_1", "model")))
-    assert names == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors",
-                     "dp_rank_00_tp_rank_01_pp_rank_00.pt", "dp_rank_00_tp_rank_01_pp_rank_00.pt.tensors"]
+    assert names == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_00.pt.info.pt",
+                     "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors", "dp_rank_00_tp_rank_01_pp_rank_00.pt",
+                     "dp_rank_00_tp_rank_01_pp_rank_00.pt.info.pt", "dp_rank_00_tp_rank_01_pp_rank_00.pt.tensors"]
     m, o, u = load_checkpoint(root, "step_1", dp_rank=0, tp_rank=rank, pp_rank=0)
     _assert_same(m, model)
     _assert_same(o, optim)

@@ -139,7 +139,9 @@ def _check_qkv(nq: int, nkv: int, kv_replicator: int, fuse: bool, sp: bool) -> N
     xl = _leaf(_chunk(x, 1) if sp else x)
     q, k, v = layer(xl)
     heads = layer._kv_head_ids()
-    close(q, _chunk(ref[0], -1).detach())
+    # this rank's block of query heads: its own rank's unless replicas are interleaved (NxD's Trn1 layout)
+    block = layer.query_block()
+    close(q, ref[0].chunk(parallel_state.get_tensor_model_parallel_world_size(), -1)[block].detach())
     close(k, ref[1].unflatten(-1, (nkv, hd))[..., heads, :].flatten(-2).detach())
     close(v, ref[2].unflatten(-1, (nkv, hd))[..., heads, :].flatten(-2).detach())
     _qkv_reference_loss(q, k, v, hd).backward()
@@ -226,10 +228,18 @@ def _tp_worker(rank: int, world_size: int, kv_replicator: int) -> None:
         for fuse in (True, False):
             _check_qkv(nq=4, nkv=world_size, kv_replicator=1, fuse=fuse, sp=fuse)
         _check_cpu_initialization_matches_tp1()
-    else:  # 2 KV heads at TP=4: each KV head replicated kv_replicator=2 times
-        _check_direct_init_keeps_kv_replicas_identical()
-        for fuse in (True, False):
-            _check_qkv(nq=8, nkv=world_size // kv_replicator, kv_replicator=kv_replicator, fuse=fuse, sp=not fuse)
+    else:  # 2 KV heads at TP=4: each KV head replicated kv_replicator=2 times, in each of NxD's two layouts
+        for layout in ("interleaved", "adjacent"):
+            parallel_state.destroy_model_parallel()
+            parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size,
+                                                     kv_replicator=kv_replicator, kv_replica_layout=layout)
+            # NxD's arrange_kv_groups: trn1 {0, 2} {1, 3}; trn2 {0, 1} {2, 3}
+            expected = {"interleaved": [[0, 2], [1, 3]], "adjacent": [[0, 1], [2, 3]]}[layout]
+            assert parallel_state._STORE.state.ranks["kv"] in expected
+            _check_direct_init_keeps_kv_replicas_identical()
+            for fuse in (True, False):
+                _check_qkv(nq=8, nkv=world_size // kv_replicator, kv_replicator=kv_replicator, fuse=fuse,
+                           sp=not fuse)
 
 
 @pytest.mark.distributed

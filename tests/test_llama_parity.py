@@ -146,11 +146,12 @@ def _gather_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def _gather_grad(param: torch.nn.Parameter) -> torch.Tensor:
-    """Full gradient of a TP-sharded parameter (all-gather + stride-aware merge)."""
+    """Full gradient of a TP-sharded parameter (all-gather + stride- and order-aware merge: o_proj's columns follow
+    the query blocks under the interleaved KV-replica layout)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     dim, stride = param.partition_dim, param.partition_stride
     shards = collectives.all_gather(param.grad, dim, parallel_state.get_tensor_model_parallel_group()).chunk(tp, dim)
-    return merge_tensor_shards(shards, dim, stride)
+    return merge_tensor_shards(shards, dim, stride, getattr(param, "partition_order", None))
 
 
 def _check_sharded_grads(model: LlamaForCausalLM, ref: dict[str, torch.Tensor]) -> None:
@@ -180,9 +181,13 @@ def _check_sharded_grads(model: LlamaForCausalLM, ref: dict[str, torch.Tensor]) 
 
 
 def _parity_worker(rank: int, world: int, setup: dict, kv_replicator: int, variants: list[dict]) -> None:
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, kv_replicator=kv_replicator)
     config = build_llama_config(setup["ckpt"])
     for variant in variants:
+        layout = variant.pop("kv_replica_layout", "interleaved")
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        parallel_state.initialize_model_parallel(tensor_model_parallel_size=world, kv_replicator=kv_replicator,
+                                                 kv_replica_layout=layout)
         torch.manual_seed(123)
         model = LlamaForCausalLM(config, kv_replicator=kv_replicator, **variant)
         load_hf_weights(model, setup["ckpt"])
@@ -213,9 +218,10 @@ def test_tp2_sequence_parallel_parity(setup: dict) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_tp4_kv_replicator_parity(setup: dict) -> None:
-    """2 KV heads at TP=4: each KV head replicated on 2 ranks (kv_replicator=2)."""
+    """2 KV heads at TP=4: each KV head replicated on 2 ranks (kv_replicator=2), in NxD's Trn1 (interleaved: KV
+    groups {0, 2} {1, 3}, query heads reordered) and Trn2 (adjacent) layouts."""
     variants = [
         {"sequence_parallel": True, "fuse_qkv": True},
-        {"sequence_parallel": False, "fuse_qkv": False},
+        {"sequence_parallel": False, "fuse_qkv": False, "kv_replica_layout": "adjacent"},
     ]
     run_distributed(_parity_worker, 4, setup, 2, variants)

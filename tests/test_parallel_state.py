@@ -35,10 +35,18 @@ def test_rank_layout_pp_dp_cp_tp_order() -> None:
         assert sorted(r for g in groups for r in g) == list(range(16))
 
 
-def test_rank_layout_kv_shared_group_is_consecutive_tp_ranks() -> None:
+def test_rank_layout_kv_shared_groups_follow_nxds_arrange_kv_groups() -> None:
+    """NxD's parallel_state.arrange_kv_groups: on Trn1 (interleaved, NxD's default) ranks j, j + TP/K, .. share a KV
+    head; on Trn2 (adjacent) K consecutive ranks do."""
     layout = parallel_state.rank_layout(8, tensor_model_parallel_size=4, kv_replicator=2)
-    assert layout["kv"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert layout["kv"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    adjacent = parallel_state.rank_layout(8, tensor_model_parallel_size=4, kv_replicator=2,
+                                          kv_replica_layout="adjacent")
+    assert adjacent["kv"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert parallel_state.rank_layout(8, 8, kv_replicator=4)["kv"] == [[0, 2, 4, 6], [1, 3, 5, 7]]
     assert parallel_state.rank_layout(4, 4, kv_replicator=4)["kv"] == [[0, 1, 2, 3]]
+    with pytest.raises(ValueError, match="kv_replica_layout"):
+        parallel_state.rank_layout(4, 4, kv_replicator=2, kv_replica_layout="trn1")
 
 
 def test_rank_layout_expert_parallel_is_carved_from_data_parallel() -> None:

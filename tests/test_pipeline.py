@@ -152,9 +152,12 @@ def test_pipeline_with_context_parallel_matches_transformers(hf_ckpt, algo: str)
 
 
 def test_balanced_split_and_cuts() -> None:
+    # NxD's create_partitions: the extra layers go to the last stages (its converter's 3 layers over PP 2 put
+    # layer 0 on stage 0 and layers 1-2 on stage 1: ../shared/reference/nxd_checkpoints/README.md)
     assert balanced_layer_counts(8, 4) == [2, 2, 2, 2]
-    assert balanced_layer_counts(10, 4) == [2, 3, 3, 2]
-    assert balanced_layer_counts(11, 4) == [3, 3, 3, 2]
+    assert balanced_layer_counts(10, 4) == [2, 2, 3, 3]
+    assert balanced_layer_counts(11, 4) == [2, 3, 3, 3]
+    assert balanced_layer_counts(3, 2) == [1, 2]
     assert parse_pipeline_cuts(["model.layers.18", "model.layers.39", "model.layers.60"], 80, 4) == [19, 21, 21, 19]
     assert [list(r) for r in stage_layer_ranges(5, 2, 1, ["layers.1"])] == [[0, 1], [2, 3, 4]]
     with pytest.raises(ValueError, match="names no decoder layer"):

@@ -213,6 +213,25 @@ def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) 
     collectives.barrier()
 
 
+def run_kv_layout(cfg: NxdConfig, accelerator: str | None = None) -> str:
+    """The run's KV-replica layout (``distributed_strategy.kv_replica_layout``, ``auto`` resolved as NxD resolves
+    it: :func:`nxd_lc.context.nki.resolve_kv_replica_layout`); ``accelerator``: the resolved
+    ``trainer.accelerator`` (default: the configured value)."""
+    from nxd_lc.context.nki import resolve_kv_replica_layout
+
+    return resolve_kv_replica_layout(cfg.distributed_strategy.kv_replica_layout,
+                                     accelerator or cfg.trainer.accelerator, cfg.trainer.lnc)
+
+
+def set_checkpoint_kv_layout(cfg: NxdConfig) -> None:
+    """Start-up: the KV-replica layout of loaded checkpoints that record none
+    (``exp_manager.checkpoint_kv_replica_layout``; :func:`nxd_lc.checkpoint.nxd_format.set_unrecorded_kv_layout`)."""
+    from nxd_lc.checkpoint.nxd_format import set_unrecorded_kv_layout
+
+    value = cfg.exp_manager.checkpoint_kv_replica_layout
+    set_unrecorded_kv_layout(None if value == "auto" else value)
+
+
 def load_model_weights(model: Any, checkpoint_path: str) -> None:
     """Load only the model weights of an nxd_lc checkpoint ``<root>/<tag>`` into ``model`` (this rank's shard).
 
@@ -226,19 +245,24 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
         ValueError: the checkpoint's weights do not fit the model (names the keys and the config keys to check).
     """
     from nxd_lc.checkpoint import sharded
-    from nxd_lc.checkpoint.reshard import reshard_model_state, saved_layout
+    from nxd_lc.checkpoint.nxd_format import key_mismatch_message
+    from nxd_lc.checkpoint.reshard import reshard_model_state, reshard_reason, saved_layout
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.layers.lora import is_lora_key
 
     root, tag = os.path.split(os.path.abspath(checkpoint_path))
     saved = saved_layout(os.path.join(root, tag))
-    moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
-                                     ps.get_pipeline_model_parallel_world_size())
+    reason = reshard_reason(model, os.path.join(root, tag), saved)
+    moves = reason is not None
     ep = ps.get_expert_model_parallel_world_size()
     if saved.ep != ep or (moves and ep > 1):
         raise ValueError(f"exp_manager.resume_from_checkpoint {checkpoint_path} (model.weight_init_only): saved with "
-                         f"TP {saved.tp}, PP {saved.pp}, EP {saved.ep}; re-sharding experts is not supported yet: "
-                         "use the saved tensor / pipeline / expert_model_parallel sizes")
+                         f"TP {saved.tp}, PP {saved.pp}, EP {saved.ep} ({reason or 'another EP size'}); re-sharding "
+                         "experts is not supported yet: use the saved tensor / pipeline / expert_model_parallel "
+                         "sizes and model.pipeline_cuts")
+    if moves:
+        log.warning("exp_manager.resume_from_checkpoint %s (model.weight_init_only) is re-sharded: %s",
+                    checkpoint_path, reason)
     state, _, _ = sharded.load_checkpoint(root, tag, dp_rank=ps.get_data_parallel_rank(),
                                           tp_rank=ps.get_tensor_model_parallel_rank(),
                                           pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False,
@@ -256,7 +280,7 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
                          f"weights do not fit the model: {e}") from e
     missing = [k for k in result.missing_keys if not is_lora_key(k)]
     if missing or result.unexpected_keys:
-        raise ValueError(f"exp_manager.resume_from_checkpoint {checkpoint_path} (model.weight_init_only): the "
-                         f"checkpoint lacks {missing[:4]} and has unexpected {list(result.unexpected_keys)[:4]}; "
-                         "model.model_config, fuse_qkv, qkv_linear and the TP / PP sizes must be those of the run "
-                         "that saved it")
+        expected = [prefix + k for k in model.state_dict() if not is_lora_key(k)]
+        raise ValueError("exp_manager.resume_from_checkpoint (model.weight_init_only): " + key_mismatch_message(
+            checkpoint_path, expected, state, KeyError(f"{len(missing)} missing, {len(result.unexpected_keys)} "
+                                                       "unexpected")))

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from nxd_lc.app.build import build_model as build_run_model
+from nxd_lc.app.build import run_kv_layout, set_checkpoint_kv_layout
 from nxd_lc.checkpoint import sharded
 from nxd_lc.checkpoint.model_shards import (
     MODEL_PREFIX,
@@ -30,6 +31,7 @@ from nxd_lc.checkpoint.model_shards import (
     stage_state,
     write_provenance,
 )
+from nxd_lc.checkpoint.nxd_format import checkpoint_kv_layout
 from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.layers.lora import merge_lora
@@ -173,19 +175,26 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
     set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # the run's policy for reading its checkpoint
+    set_checkpoint_kv_layout(cfg)
     root, tag = resolve_checkpoint(checkpoint)
     tag_dir = os.path.join(root, tag)
     tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())
+    # the model is built in the checkpoint's own KV-replica layout: its shards are read as they are
+    kv_layout, how = checkpoint_kv_layout(tag_dir, run_kv_layout(cfg))
+    log.info("checkpoint %s: KV replicas laid out %s (%s)", tag_dir, kv_layout, how)
     output = os.path.abspath(output)
     check_output(output, overwrite)
     tokenizer_dir = run_tokenizer_source(cfg, root) if save_tokenizer else None  # every rank: raises everywhere
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
-                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
-    elif ps.get_tensor_model_parallel_world_size() != tp:
-        raise ValueError(f"parallel_state has TP size {ps.get_tensor_model_parallel_world_size()} but checkpoint "
-                         f"{tag_dir} has TP size {tp}")
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator,
+                                     kv_replica_layout=kv_layout)
+    elif ps.get_tensor_model_parallel_world_size() != tp or (
+            ps.get_kv_replicator() > 1 and ps.get_kv_replica_layout() != kv_layout):
+        raise ValueError(f"parallel_state has TP size {ps.get_tensor_model_parallel_world_size()} (KV replicas "
+                         f"{ps.get_kv_replica_layout()}) but checkpoint {tag_dir} has TP size {tp} (KV replicas "
+                         f"{kv_layout})")
     try:
         rank0 = collectives.get_global_rank() == 0
         peft = peft_config(cfg)
@@ -247,7 +256,8 @@ def convert_hf_to_checkpoint(cfg: NxdConfig, hf_dir: str, output: str, *, tag: s
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp,
-                                     kv_replicator=cfg.distributed_strategy.kv_replicator)
+                                     kv_replicator=cfg.distributed_strategy.kv_replicator,
+                                     kv_replica_layout=run_kv_layout(cfg))
     try:
         model = build_model(dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=hf_dir)),
                             load_weights=True)

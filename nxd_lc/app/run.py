@@ -19,7 +19,14 @@ from typing import Any, Mapping, Optional
 import pytorch_lightning as pl
 from omegaconf import DictConfig, OmegaConf
 
-from nxd_lc.app.build import build_model, decoder_compiled, load_model_weights, save_lora_outputs
+from nxd_lc.app.build import (
+    build_model,
+    decoder_compiled,
+    load_model_weights,
+    run_kv_layout,
+    save_lora_outputs,
+    set_checkpoint_kv_layout,
+)
 from nxd_lc.app.validation import check_supported, load_config, memory_report, path_problems, unsupported_features
 from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
@@ -147,10 +154,13 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     graph_record = begin_graph_recording(cfg, accelerator, int(os.environ.get("RANK", "0")))
     runtime = init_distributed(accelerator)
     ds = cfg.distributed_strategy
+    kv_layout = run_kv_layout(cfg, accelerator)
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
                                  pipeline_model_parallel_size=ds.pipeline_model_parallel_size,
                                  context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator,
-                                 expert_model_parallel_size=ds.expert_model_parallel_size)
+                                 expert_model_parallel_size=ds.expert_model_parallel_size,
+                                 kv_replica_layout=kv_layout)
+    set_checkpoint_kv_layout(cfg)
     set_context_parallel_algo(ds.context_parallel_algo)
     mark("distributed_init_s")
     set_nki_options(cfg.model.transpose_nki_inputs, cfg.trainer.lnc)
@@ -163,6 +173,9 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
         for line in _device_precision(cfg, os.environ):
             log.info("%s", line)
         log.info("log dir: %s", paths.log_dir)
+        if ds.kv_replicator > 1:
+            log.info("KV replicas (kv_replicator %d) laid out %s (distributed_strategy.kv_replica_layout: %s)",
+                     ds.kv_replicator, kv_layout, ds.kv_replica_layout)
     pl.seed_everything(cfg.seed, workers=True)
     hf_config, model = _build_and_move(cfg, runtime)
     mark("model_build_s")

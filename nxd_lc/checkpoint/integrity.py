@@ -58,7 +58,8 @@ class CheckpointIntegrityError(RuntimeError):
 
 
 def files_under(root: str, relpath: str) -> list[str]:
-    """``relpath`` (a file under ``root``) and, for an xser structure file, every file of its ``.tensors`` dir.
+    """``relpath`` (a file under ``root``) and, for an xser structure file, every file of its ``.tensors`` dir and
+    its ``.info.pt`` (NxD's tensor-info file, :func:`nxd_lc.checkpoint.xser.save_xser`).
 
     Returns:
         Paths relative to ``root`` with '/' separators, the structure file first.
@@ -67,6 +68,8 @@ def files_under(root: str, relpath: str) -> list[str]:
     tensors = os.path.join(root, relpath + ".tensors")
     if os.path.isdir(tensors):
         out += sorted(f"{relpath}.tensors/{n}" for n in os.listdir(tensors))
+    if os.path.isfile(os.path.join(root, relpath + ".info.pt")):
+        out.append(f"{relpath}.info.pt")
     return out
 
 

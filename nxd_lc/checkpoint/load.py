@@ -20,10 +20,12 @@ from nxd_lc.checkpoint.layout import (
     is_complete,
     ranks_found,
 )
+from nxd_lc.checkpoint.nxd_format import from_nxd_names
 from nxd_lc.checkpoint.retention import list_checkpoints
 from nxd_lc.checkpoint.xser import UnsafeCheckpointError, load_structure, load_xser
 
-__all__ = ["detect_xser", "load_checkpoint", "rank_files", "read_shard", "verify_checkpoint"]
+__all__ = ["detect_xser", "is_unmarked_nxd_checkpoint", "load_checkpoint", "rank_files", "read_shard",
+           "verify_checkpoint", "warn_unmarked"]
 
 
 def _missing_shard_error(path: str, tag_dir: str) -> FileNotFoundError:
@@ -118,7 +120,8 @@ def verify_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, p
         True when the checkpoint has a manifest and passed; False when it has none (unverifiable but present).
 
     Raises:
-        FileNotFoundError: no such checkpoint, or it has no ``done`` marker.
+        FileNotFoundError: no such checkpoint, or it has no ``done`` marker (unless NxD wrote it without one:
+            :func:`is_unmarked_nxd_checkpoint`).
         integrity.CheckpointIntegrityError: a file is missing, truncated or corrupt (names the file).
     """
     tag_dir = _complete_dir(ckpt_root, tag)
@@ -166,17 +169,49 @@ def _check_other_layout(tag_dir: str) -> None:
                     raise _missing_shard_error(path, tag_dir)
 
 
+_warned_unmarked: set[str] = set()
+
+
+def is_unmarked_nxd_checkpoint(tag_dir: str) -> bool:
+    """True for a checkpoint directory without ``done`` that nxd_lc did not write: it has a model shard for every
+    (TP, PP) rank its file names imply, and neither nxd_lc's manifest nor its per-rank checksum lists (nxd_lc
+    publishes a tag only once ``done`` is written, so a visible tag of its own always has one). NxD's converter
+    writes only ``model/`` (no markers), and NxD loads an explicitly named tag without them; such a tag is loaded
+    when named, with a warning, never picked as the newest.
+    """
+    if is_complete(tag_dir) or not os.path.isdir(tag_dir):
+        return False
+    if os.path.exists(os.path.join(tag_dir, integrity.MANIFEST_FILE)) or \
+            os.path.isdir(os.path.join(tag_dir, integrity.RANK_MANIFEST_DIR)):
+        return False
+    folder = os.path.join(tag_dir, MODEL_DIR)
+    _, tps, pps = ranks_found(folder)
+    names = set(os.listdir(folder)) if tps else set()
+    return bool(tps) and all(checkpoint_file_name(0, t, p) in names or checkpoint_file_name(0, t, p, 0) in names
+                             for t in range(max(tps) + 1) for p in range(max(pps) + 1))
+
+
+def warn_unmarked(tag_dir: str) -> None:
+    """Warn once per process that ``tag_dir`` (:func:`is_unmarked_nxd_checkpoint`) is loaded without markers."""
+    if tag_dir not in _warned_unmarked:
+        _warned_unmarked.add(tag_dir)
+        warnings.warn(f"checkpoint {tag_dir!r} has no '{DONE_FILE}' marker and no manifest (NxD's converter writes "
+                      f"neither): loading it as named, unverified; its shards must all be there", stacklevel=3)
+
+
 def _complete_dir(ckpt_root: str, tag: str) -> str:
     check_tag(tag)
     tag_dir = os.path.join(ckpt_root, tag)
     if not os.path.isdir(tag_dir):
         raise FileNotFoundError(f"checkpoint {tag_dir!r} does not exist; complete checkpoints in "
                                 f"{ckpt_root!r}: {list_checkpoints(ckpt_root)}")
+    if is_unmarked_nxd_checkpoint(tag_dir):
+        warn_unmarked(tag_dir)
+        return tag_dir
     if not is_complete(tag_dir):
         raise FileNotFoundError(
             f"checkpoint {tag_dir!r} has no '{DONE_FILE}' marker: it is incomplete (its save was "
-            f"interrupted). If it was written by an NxD release without markers and you know it is "
-            f"complete, create the empty file {os.path.join(tag_dir, DONE_FILE)!r}")
+            f"interrupted): pick another tag")
     return tag_dir
 
 
@@ -200,7 +235,8 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
         ep_rank: this rank's EP rank when the checkpoint was saved with expert parallelism (None: without).
 
     Returns:
-        ``(model_state, optim_state or None, user_content or None)``.
+        ``(model_state, optim_state or None, user_content or None)``; the model state under the LightningModule's
+        names (NxD's ``lm_head.*`` read as ``model.lm_head.*``: :func:`nxd_lc.checkpoint.nxd_format.from_nxd_names`).
 
     Raises:
         FileNotFoundError: the checkpoint is missing or has no ``done`` marker, or a shard file is
@@ -213,7 +249,7 @@ def load_checkpoint(ckpt_root: str, tag: str, *, dp_rank: int, tp_rank: int, pp_
                           ep_rank=ep_rank)
     xser = detect_xser(tag_dir, use_xser)
     model_path = os.path.join(tag_dir, MODEL_DIR, checkpoint_file_name(0, tp_rank, pp_rank, ep_rank))
-    model_state = read_shard(model_path, tag_dir, xser) if read_model else None
+    model_state = from_nxd_names(read_shard(model_path, tag_dir, xser)) if read_model else None
     optim_state = None
     if load_optim:
         optim_state = read_shard(_optim_path(tag_dir, dp_rank, tp_rank, pp_rank, ep_rank), tag_dir, xser)

@@ -36,7 +36,8 @@ def resolve_checkpoint(path: str) -> tuple[str, str]:
 
     Raises:
         FileNotFoundError: ``path`` does not exist (lists the complete tags next to it), is a root without a
-            complete checkpoint, or is a checkpoint without its ``done`` marker (incomplete save).
+            complete checkpoint, or is a checkpoint without its ``done`` marker (incomplete save; a tag NxD's
+            converter wrote without markers is accepted with a warning when named).
     """
     path = os.path.abspath(path)
     root, tag = os.path.split(path.rstrip(os.sep))
@@ -44,7 +45,7 @@ def resolve_checkpoint(path: str) -> tuple[str, str]:
         raise FileNotFoundError(f"--checkpoint: {path} does not exist; complete checkpoints in {root}: "
                                 f"{sharded.list_checkpoints(root)}")
     if os.path.isdir(os.path.join(path, sharded.MODEL_DIR)) or os.path.isfile(os.path.join(path, sharded.DONE_FILE)):
-        if not sharded.is_complete(path):
+        if not sharded.is_complete(path) and not sharded.is_unmarked_nxd_checkpoint(path):
             raise FileNotFoundError(f"--checkpoint: {path} has no '{sharded.DONE_FILE}' marker: the save was "
                                     f"interrupted; complete checkpoints in {root}: {sharded.list_checkpoints(root)}")
         return root, tag

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from nxd_lc.checkpoint import sharded
 from nxd_lc.checkpoint.layout import ranks_found
 from nxd_lc.checkpoint.load import detect_xser, read_shard
+from nxd_lc.checkpoint.nxd_format import checkpoint_kv_layout, from_nxd_names, stage_layers
 
 log = logging.getLogger(__name__)
 
@@ -97,10 +98,43 @@ def _read(tag_dir: str, sub: str, dp: int, tp: int, pp: int, xser: bool) -> Any:
 
 
 def _strip(state: Mapping[str, Any], where: str) -> dict[str, torch.Tensor]:
+    """A model shard's tensors by parameter name (``model.`` dropped; NxD's ``lm_head.*`` read as the head)."""
+    state = from_nxd_names(state)
     if not isinstance(state, Mapping) or not any(str(k).startswith(MODEL_PREFIX) for k in state):
-        raise ValueError(f"{where}: model shard has no '{MODEL_PREFIX}*' keys; it was not written by nxd_lc's "
-                         f"training module and cannot be re-sharded")
+        keys = sorted(map(str, state))[:4] if isinstance(state, Mapping) else type(state).__name__
+        raise ValueError(f"{where}: model shard has no '{MODEL_PREFIX}*' keys (found {keys}); NxD's and nxd_lc's "
+                         f"shards name the decoder's tensors 'model.<name>' and the head 'lm_head.weight': it "
+                         f"cannot be re-sharded")
     return {k[len(MODEL_PREFIX):]: v for k, v in state.items() if k.startswith(MODEL_PREFIX)}
+
+
+def reshard_reason(model: Any, tag_dir: str, saved: SavedLayout, use_xser: bool | None = None) -> str | None:
+    """Why this rank's model shard of ``tag_dir`` must be rebuilt from the saved ones rather than read as it is
+    (None: it can be read): another TP or PP size; at the same PP size another pipeline split (the files hold
+    other layers for this rank's stage: NxD's default split puts extra layers on the last stages, nxd_lc before
+    this version on the middle ones); with replicated KV heads another KV-replica layout
+    (:func:`nxd_lc.checkpoint.nxd_format.checkpoint_kv_layout`). Local: reads file names and, at PP > 1, the
+    key names of TP rank 0's shards.
+    """
+    from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.distributed.kv_layout import replication
+
+    tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
+    if (saved.tp, saved.pp) != (tp, pp):
+        return f"saved with TP {saved.tp} x PP {saved.pp}, this run has TP {tp} x PP {pp}"
+    if pp > 1:
+        split = stage_layers(tag_dir, pp, detect_xser(tag_dir, use_xser))
+        held, mine = split[ps.get_pipeline_model_parallel_rank()], sorted(i for i, _ in model.local_layers())
+        if held != mine:
+            return (f"its pipeline rank {ps.get_pipeline_model_parallel_rank()} holds decoder layers {held}, this "
+                    f"run's holds {mine} (model.pipeline_cuts; the split of its files: {split})")
+    nkv = getattr(getattr(model, "config", None), "num_key_value_heads", None)
+    if nkv and replication(saved.tp, nkv) > 1:
+        saved_kv, how = checkpoint_kv_layout(tag_dir)
+        if saved_kv != ps.get_kv_replica_layout():
+            return (f"its KV replicas are laid out {saved_kv} ({how}), this run's "
+                    f"{ps.get_kv_replica_layout()} (distributed_strategy.kv_replica_layout)")
+    return None
 
 
 def _model_shards(tag_dir: str, layout: SavedLayout, wanted: set[str], xser: bool) -> list[dict[str, torch.Tensor]]:
@@ -165,7 +199,8 @@ def reshard_model_state(model: Any, template: Mapping[str, torch.Tensor], tag_di
     layout = saved_layout(tag_dir)
     xser = detect_xser(tag_dir, use_xser)
     shards = _model_shards(tag_dir, layout, _wanted(model, names), xser)
-    local = shard_full_tensors(model, FullTensors(merge_tp_shards(model, shards, tag_dir), tag_dir))
+    kv_layout, _ = checkpoint_kv_layout(tag_dir)
+    local = shard_full_tensors(model, FullTensors(merge_tp_shards(model, shards, tag_dir, kv_layout), tag_dir))
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     out: dict[str, torch.Tensor] = {}
     for key, current in template.items():
@@ -181,8 +216,8 @@ def reshard_model_state(model: Any, template: Mapping[str, torch.Tensor], tag_di
                              f"run: {key} is {got}, the model expects {tuple(current.shape)}; model.model_config, "
                              "hf_config_overrides, fuse_qkv and qkv_linear must be those of the run that saved it")
         out[key] = value
-    log.warning("re-sharded the model weights of %s from TP %d x PP %d to this run's layout", tag_dir, layout.tp,
-                layout.pp)
+    log.warning("re-sharded the model weights of %s from TP %d x PP %d (KV replicas %s) to this run's layout",
+                tag_dir, layout.tp, layout.pp, kv_layout)
     return out
 
 
@@ -315,10 +350,11 @@ def reshard_optimizer_state(model: Any, optimizer: Any, tag_dir: str, *, use_xse
     _check_supported(model, names.values(), tag_dir)
     per_tp, scalars, saved_groups, schedulers = _saved_optimizer(tag_dir, layout, _wanted(model, names.values()), xser)
     keys = sorted({k for shard in per_tp for st in shard.values() for k in st})
+    kv_layout, _ = checkpoint_kv_layout(tag_dir)
     local: dict[str, dict[str, torch.Tensor]] = {}
     for key in keys:
         shards = [{n: st[key] for n, st in shard.items() if key in st} for shard in per_tp]
-        merged = merge_tp_shards(model, shards, tag_dir)
+        merged = merge_tp_shards(model, shards, tag_dir, kv_layout)
         for n, v in shard_full_tensors(model, FullTensors(merged, tag_dir)).items():
             local.setdefault(n, {})[key] = v
     tied = bool(getattr(model.config, "tie_word_embeddings", False))

@@ -27,9 +27,11 @@ from nxd_lc.checkpoint.layout import (
     staging_dir,
     trash_dir,
 )
+from nxd_lc.checkpoint.nxd_format import layout_metadata, to_nxd_names
 from nxd_lc.checkpoint.retention import write_newest
 from nxd_lc.checkpoint.xser import compact_cpu, fsync_dir, map_tensors, save_xser, torch_save_file
 from nxd_lc.distributed import collectives
+from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.runtime import faults
 
 __all__ = ["NonFiniteCheckpointError", "StagedSave", "all_ranks_ok", "check_finite", "save_checkpoint",
@@ -59,10 +61,15 @@ def _collective_phase(phase: str, tag: str, fn: Callable[[], None]) -> None:
                            f"rank's error); no checkpoint was published and the previous one is intact")
 
 
-def _write_shard(state: Any, path: str, use_xser: bool) -> None:
+def _is_expert_tensor(key: str) -> bool:
+    """An expert-parallel tensor of a model shard (NxD's ``expert_model_parallel`` in the xser info file)."""
+    return ".experts." in key
+
+
+def _write_shard(state: Any, path: str, use_xser: bool, experts: bool = False) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     if use_xser:
-        save_xser(state, path, fsync=True)
+        save_xser(state, path, fsync=True, expert_parallel=_is_expert_tensor if experts else None)
     else:
         torch_save_file(map_tensors(state, compact_cpu), path, fsync=True)
         fsync_dir(os.path.dirname(path))
@@ -93,11 +100,14 @@ def _prepare_staging(ckpt_root: str, staging: str) -> None:
     fsync_dir(ckpt_root)
 
 
-def _commit(ckpt_root: str, tag: str, staging: str, step: int | None) -> None:
-    """Rank 0: write ``manifest.json``, mark ``staging`` done and publish it as ``<ckpt_root>/<tag>``."""
+def _commit(ckpt_root: str, tag: str, staging: str, step: int | None, layout: Any = None) -> None:
+    """Rank 0: write ``manifest.json``, mark ``staging`` done (with the run's ``layout`` metadata,
+    :func:`nxd_lc.checkpoint.nxd_format.layout_metadata`) and publish it as ``<ckpt_root>/<tag>``."""
     n_files = integrity.merge_rank_manifests(staging)
     done = {"tag": tag, "step": step, "saved_at": time.time(), "writer": "nxd_lc",
             "manifest": integrity.MANIFEST_FILE, "algorithm": integrity.ALGORITHM, "files": n_files}
+    if layout is not None:
+        done["layout"] = layout
     with open(os.path.join(staging, DONE_FILE), "w") as f:
         json.dump(done, f)
         f.flush()
@@ -135,6 +145,7 @@ class StagedSave:
     step: int | None
     files: list[tuple[str, Any, bool]]  # (path relative to staging, state, xser) to write
     user_content: Any
+    layout: Any = None  # the done file's layout metadata (rank 0)
     error: BaseException | None = None
     written: bool = False
 
@@ -149,7 +160,10 @@ class StagedSave:
             for rel, state, _ in self.files:  # nothing of a checkpoint holding NaN / inf is written
                 check_finite(state, f"checkpoint {self.tag!r} (step {self.step}), {rel}")
             for rel, state, xser in self.files:
-                _write_shard(state, os.path.join(self.staging, rel), xser)
+                model_file = rel.startswith(MODEL_DIR + "/")
+                if model_file and isinstance(state, Mapping):
+                    state = to_nxd_names(state)  # the head as NxD names it
+                _write_shard(state, os.path.join(self.staging, rel), xser, model_file and "_ep_rank_" in rel)
                 relpaths += integrity.files_under(self.staging, rel)
                 faults.inject("mid_save", self.step if self.step is not None else -1)
             if self.is_global_zero and self.user_content is not None:
@@ -180,7 +194,8 @@ class StagedSave:
 
         try:
             _collective_phase("shard writing", self.tag, failed_write)
-            _collective_phase("commit", self.tag, (lambda: _commit(self.ckpt_root, self.tag, self.staging, self.step))
+            _collective_phase("commit", self.tag,
+                              (lambda: _commit(self.ckpt_root, self.tag, self.staging, self.step, self.layout))
                               if self.is_global_zero else _noop)
             faults.inject("after_publish", self.step if self.step is not None else -1)
         except Exception:
@@ -241,7 +256,7 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
                      dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                      write_optim: bool, use_xser: bool, save_bf16: bool = False,
                      step: int | None = None, ep_rank: int | None = None,
-                     optim_sharded: bool = False) -> StagedSave:
+                     optim_sharded: bool = False, layout: Any = None) -> StagedSave:
     """Collective first phase of a save: rank 0 creates the staging directory ``<ckpt_root>/.<tag>.partial``.
 
     Arguments as :func:`save_checkpoint`. The returned :class:`StagedSave` holds references to the given
@@ -271,13 +286,16 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
     _collective_phase("preparation", tag, (lambda: _prepare_staging(ckpt_root, staging)) if is_global_zero else _noop)
     return StagedSave(ckpt_root=ckpt_root, tag=tag, staging=staging, is_global_zero=is_global_zero,
                       step=_step_of(step, user_content), files=files,
-                      user_content=user_content if is_global_zero else None)
+                      user_content=user_content if is_global_zero else None,
+                      layout=layout if layout is not None or not ps.model_parallel_is_initialized()
+                      else layout_metadata(ps.get_kv_replica_layout()))
 
 
 def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: Any, user_content: Any,
                     dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
-                    step: int | None = None, ep_rank: int | None = None, optim_sharded: bool = False) -> str:
+                    step: int | None = None, ep_rank: int | None = None, optim_sharded: bool = False,
+                    layout: Any = None) -> str:
     """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic, checksummed.
 
     Every rank of the world group must call it (also ranks that write nothing): it votes three
@@ -308,6 +326,12 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
         optim_sharded: the optimizer is ZeRO-1-sharded: ``dp_rank`` is the DP x CP rank, every rank writes its
             own optimizer file (without ``ep_rank``), and with an ``ep_rank`` the model writer's ``dp_rank`` (its
             DP x CP rank) need not be 0.
+        layout: metadata of the run's layout written into ``done`` by rank 0
+            (:func:`nxd_lc.checkpoint.nxd_format.layout_metadata`); None: this process's
+            (:func:`nxd_lc.distributed.parallel_state.get_kv_replica_layout`; none without parallel state).
+
+    The model shard is written under NxD's tensor names (:func:`nxd_lc.checkpoint.nxd_format.to_nxd_names`: the
+    head is ``lm_head.weight``); xser shards get NxD's ``.info.pt`` (:func:`nxd_lc.checkpoint.xser.save_xser`).
 
     Returns:
         The published checkpoint directory ``<ckpt_root>/<tag>``.
@@ -321,7 +345,7 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
                               user_content=user_content, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
                               is_global_zero=is_global_zero, write_model=write_model, write_optim=write_optim,
                               use_xser=use_xser, save_bf16=save_bf16, step=step, ep_rank=ep_rank,
-                              optim_sharded=optim_sharded)
+                              optim_sharded=optim_sharded, layout=layout)
     staged.write()
     return staged.publish()
 

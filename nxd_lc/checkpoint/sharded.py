@@ -49,7 +49,7 @@ from nxd_lc.checkpoint.layout import (
     ep_ranks_found,
     is_complete,
 )
-from nxd_lc.checkpoint.load import load_checkpoint, rank_files, verify_checkpoint
+from nxd_lc.checkpoint.load import is_unmarked_nxd_checkpoint, load_checkpoint, rank_files, verify_checkpoint
 from nxd_lc.checkpoint.retention import cleanup_partial, latest_checkpoint, list_checkpoints, remove_checkpoint
 from nxd_lc.checkpoint.save import (
     NonFiniteCheckpointError,
@@ -62,6 +62,7 @@ from nxd_lc.checkpoint.save import (
 
 __all__ = ["CHECKPOINT_MARKER", "DONE_FILE", "MODEL_DIR", "NEWEST_FILE", "OPTIM_DIR", "USER_CONTENT_FILE",
            "NonFiniteCheckpointError", "StagedSave", "all_ranks_ok", "check_finite", "checkpoint_file_name",
-           "cleanup_partial", "ep_ranks_found", "is_complete", "latest_checkpoint", "list_checkpoints",
+           "cleanup_partial", "ep_ranks_found", "is_complete", "is_unmarked_nxd_checkpoint", "latest_checkpoint",
+           "list_checkpoints",
            "load_checkpoint", "rank_files", "remove_checkpoint", "save_checkpoint", "stage_checkpoint",
            "verify_checkpoint"]

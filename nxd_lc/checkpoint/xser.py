@@ -4,7 +4,12 @@ Format (torch_xla.utils.serialization, also what NeuronX Distributed writes with
 
 * ``<path>`` is a ``torch.save`` of the saved structure in which every tensor is replaced by a
   reference object holding an integer id ``tid``;
-* ``<path>.tensors/tensor_<tid>.pt`` is a ``torch.save`` of that one CPU tensor.
+* ``<path>.tensors/tensor_<tid>.pt`` is a ``torch.save`` of that one CPU tensor;
+* ``<path>.info.pt`` (NxD's trainer, ``trainer/checkpoint.py`` ``_save``) is a ``torch.save`` of
+  ``{tid: {"dtype": torch.dtype, "shape": torch.Size, "expert_model_parallel": bool}}`` for every tensor: NxD's
+  reader (``_xser_load_data``) indexes it for every reference, so a file without it cannot be read by NxD
+  (``TypeError: 'NoneType' object is not subscriptable``). :func:`save_xser` writes it; :func:`load_xser` does not
+  need it.
 
 Loading reads the structure, then each referenced tensor file, and returns CPU tensors (or
 tensors on ``map_location``). Saving one tensor per file keeps peak host memory at one tensor and
@@ -55,6 +60,7 @@ __all__ = [
     "UnsafeCheckpointError",
     "compact_cpu",
     "fsync_dir",
+    "info_file",
     "load_structure",
     "load_xser",
     "map_tensors",
@@ -242,21 +248,24 @@ def check_stored_records(path: str) -> None:
                              f"torch reads past the record")
 
 
-def safe_torch_load(path: str, map_location: Any = "cpu") -> Any:
+def safe_torch_load(path: str, map_location: Any = "cpu", mmap: bool = False) -> Any:
     """``torch.load`` of ``path`` with the restricted unpickler and :data:`SAFE_GLOBALS` (full unpickling only
     under ``set_weights_only(False)``), after :func:`check_stored_records`. Thread-safe: restricted loads of one
-    process run one at a time (torch's allow-list is process-wide).
+    process run one at a time (torch's allow-list is process-wide). ``mmap``: map the file's tensor data instead of
+    reading it (for reading a file's keys; a file in torch's legacy format is read).
 
     Raises:
         UnsafeCheckpointError: the file names a global outside the allowed set (names the file and the global).
         ValueError: a zip record is compressed or larger than the file (:func:`check_stored_records`).
     """
     check_stored_records(path)
+    mmap = mmap and zipfile.is_zipfile(path)
     if not _WEIGHTS_ONLY[0]:
-        return torch.load(path, map_location=map_location, pickle_module=_xser_pickle_module, weights_only=False)
+        return torch.load(path, map_location=map_location, pickle_module=_xser_pickle_module, weights_only=False,
+                          mmap=mmap)
     try:
         with _SAFE_LOAD_LOCK, torch.serialization.safe_globals(SAFE_GLOBALS):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as e:
         text = str(e)
         if "Weights only load failed" not in text:
@@ -338,6 +347,11 @@ _xser_pickle_module.Pickler = _XserPickler  # type: ignore[attr-defined]
 def tensors_dir(path: str) -> str:
     """Return the tensor directory of xser structure file ``path``: ``<path>.tensors``."""
     return path + ".tensors"
+
+
+def info_file(path: str) -> str:
+    """Return the tensor-info file NxD's xser reader indexes for structure file ``path``: ``<path>.info.pt``."""
+    return path + ".info.pt"
 
 
 def tensor_file(path: str, tid: int) -> str:
@@ -432,14 +446,30 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return _transform(obj, lambda x: isinstance(x, torch.Tensor), id, fn)
 
 
-def save_xser(obj: Any, path: str, *, fsync: bool = False) -> None:
-    """Save the nested structure ``obj`` in xser format at ``path``.
+def _key_paths(obj: Any, prefix: str = "") -> dict[int, str]:
+    """``id(tensor)`` -> the dotted key path of its first occurrence in nested dict / list / tuple ``obj``."""
+    if isinstance(obj, torch.Tensor):
+        return {id(obj): prefix}
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
+    out: dict[int, str] = {}
+    for k, v in items:
+        for tid, path in _key_paths(v, f"{prefix}.{k}" if prefix else str(k)).items():
+            out.setdefault(tid, path)
+    return out
+
+
+def save_xser(obj: Any, path: str, *, fsync: bool = False,
+              expert_parallel: Callable[[str], bool] | None = None) -> None:
+    """Save the nested structure ``obj`` in xser format at ``path``, with NxD's ``<path>.info.pt``.
 
     Args:
         obj: nested dict/list/tuple of tensors (any device, dtype, layout) and picklable values.
         path: structure file; tensors go to ``<path>.tensors/tensor_<i>.pt`` (an existing
-            ``<path>.tensors`` directory is replaced).
+            ``<path>.tensors`` directory is replaced), their dtype and shape to ``<path>.info.pt``.
         fsync: fsync every file and the directories written (for durable checkpoints).
+        expert_parallel: given a tensor's dotted key path (``model.layers.0.mlp.experts.down_proj``), whether it
+            is an expert-parallel tensor (``expert_model_parallel`` in the info file: NxD reads such tensors from
+            each EP rank's own file and the others from EP rank 0's); None: none is.
 
     Each distinct tensor object is written once, as :func:`compact_cpu` of it (views and
     non-contiguous tensors become compact contiguous clones), and all references to it share one
@@ -463,8 +493,13 @@ def save_xser(obj: Any, path: str, *, fsync: bool = False) -> None:
         return TensorReference(len(tensors) - 1)
 
     ref_obj = map_tensors(obj, to_ref)
+    keys = _key_paths(obj) if expert_parallel is not None else {}
+    info: dict[int, dict[str, Any]] = {}
     for tid, t in enumerate(tensors):
         torch_save_file(compact_cpu(t), tensor_file(path, tid), fsync)
+        info[tid] = {"dtype": t.dtype, "shape": torch.Size(t.shape),
+                     "expert_model_parallel": bool(expert_parallel(keys.get(id(t), ""))) if expert_parallel else False}
+    torch_save_file(info, info_file(path), fsync)
     torch_save_file(ref_obj, path, fsync, pickle_module=_xser_pickle_module)
     if fsync:
         fsync_dir(folder)
@@ -486,7 +521,7 @@ def _resolve_refs(obj: Any, load: Callable[[int], torch.Tensor]) -> Any:
                       lambda r: load(r.tid))
 
 
-def load_structure(path: str) -> Any:
+def load_structure(path: str, *, mmap: bool = False) -> Any:
     """Load a torch.save'd file at ``path`` with the restricted unpickler, xser reference classes mapped to ours.
 
     Works for xser structure files (returns :class:`TensorReference` placeholders) and for plain
@@ -495,10 +530,12 @@ def load_structure(path: str) -> Any:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         UnsafeCheckpointError: the file names a global outside :data:`SAFE_GLOBALS` (nothing in it was run).
+
+    ``mmap``: the tensors of a plain file are memory-mapped (:func:`safe_torch_load`), for reading its keys.
     """
     if not os.path.isfile(path):
         raise FileNotFoundError(f"checkpoint file {path!r} does not exist")
-    return safe_torch_load(path)
+    return safe_torch_load(path, mmap=mmap)
 
 
 def load_xser(path: str, map_location: Any = "cpu") -> Any:

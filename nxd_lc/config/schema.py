@@ -99,6 +99,9 @@ class ExpManagerConfig:
     # signals that make every rank save a checkpoint at the next step boundary and exit 0 ([] = Lightning's default)
     preemption_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGINT"])
     resume_from_checkpoint: Optional[str] = None  # explicit checkpoint dir (<root>/<tag>) to resume from
+    # KV-replica layout of a loaded checkpoint that records none (written by NxD's converter or trainer):
+    # auto (the run's distributed_strategy.kv_replica_layout, as NxD's loader assumes) | interleaved | adjacent
+    checkpoint_kv_replica_layout: str = "auto"
     ckpt_ptl_version: Optional[str] = None  # PTL version of a resumed checkpoint recording none (Lightning migrates it)
     retrieval_eval: RetrievalEvalConfig = field(default_factory=RetrievalEvalConfig)  # passkey / NIAH during training
 
@@ -114,6 +117,10 @@ class DistributedStrategyConfig:
     zero1: bool = False  # shard optimizer state and master weights over DP x CP (ZeRO-1)
     sequence_parallel: bool = False  # split activations outside the TP region along the sequence
     kv_replicator: int = 1  # replicate each KV head this many times so every TP rank holds whole heads
+    # where KV replicas live over the TP ranks, as NxD lays them out: interleaved (Trn1: K0 K1 K0 K1, query heads
+    # reordered) | adjacent (Trn2 / Trn3: K0 K0 K1 K1) | auto (as NxD chooses: the platform; adjacent on the native
+    # device and with trainer.lnc 2, else interleaved, NxD's default)
+    kv_replica_layout: str = "auto"
     context_parallel_algo: str = "ring"  # ring (load-balanced ring attention) | ulysses (all-to-all over heads)
     expert_model_parallel_size: int = 1  # EP degree: experts sharded over EP ranks carved from DP (NxD layout)
     token_shuffle_group_size: int = 1  # NxD MoE token shuffling over this many DP ranks (only 1: no shuffling)

@@ -40,6 +40,8 @@ from typing import Any, Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from nxd_lc.distributed.kv_layout import ADJACENT, INTERLEAVED, KV_REPLICA_LAYOUTS
+
 __all__ = ["AUTO", "NKI_SEQ_MULTIPLE", "NkiKernels", "default_lse_dtype", "flash_attention", "load_nki_kernels",
            "neuron_platform", "nki_flash_attention", "resolve_lnc"]
 
@@ -120,6 +122,31 @@ def neuron_platform() -> Optional[str]:
     if name.startswith(("trn1", "inf2")):
         return "trn1"
     return name[:4] if name.startswith(("trn2", "trn3")) else None
+
+
+def resolve_kv_replica_layout(setting: str, accelerator: str, lnc: Optional[int]) -> str:
+    """``distributed_strategy.kv_replica_layout`` -> ``interleaved`` | ``adjacent``
+    (:mod:`nxd_lc.distributed.kv_layout`), chosen for ``auto`` as NxD chooses, by the hardware
+    (``parallel_state.initialize_kv_group``: ``hardware(get_platform_target())``): the platform torch-neuronx
+    reports (Trn1: interleaved; Trn2 / Trn3: adjacent); else adjacent on TorchNeuron's native device
+    (``accelerator`` ``neuron_native``: Trn2 / Trn3 only) or with a logical NeuronCore size of 2 (``trainer.lnc``,
+    NxDT's trn2 files); else interleaved, NxD's default hardware (Trn1). ``accelerator``: the resolved
+    ``trainer.accelerator`` (:func:`nxd_lc.runtime.device.resolve_accelerator`).
+
+    Raises:
+        ValueError: an unknown ``setting`` (names the key and the values).
+    """
+    if setting in KV_REPLICA_LAYOUTS:
+        return setting
+    if setting != "auto":
+        raise ValueError(f"distributed_strategy.kv_replica_layout: {setting!r} is not one of auto, "
+                         f"{', '.join(KV_REPLICA_LAYOUTS)}")
+    platform = neuron_platform()
+    if platform is not None:
+        return INTERLEAVED if platform == "trn1" else ADJACENT
+    if accelerator == "neuron_native" or lnc == 2:
+        return ADJACENT
+    return INTERLEAVED
 
 
 def resolve_lnc(lnc: Optional[int]) -> int:

@@ -15,10 +15,10 @@ holds ``num_experts / EP`` experts. The expert-data-parallel group (``edp``) hol
 (strided by TP*CP*EP): the replicas of the same experts, over which expert gradients are reduced (with CP:
 ``edp_cp``). DP must be divisible by EP.
 
-KV-shared group: with ``kv_replicator = K > 1`` each KV head is held by K consecutive TP ranks
-(replicas laid out as ``K0 K0 .. K1 K1 ..``, NxD's "sequential" arrangement, which keeps the
-HF query-head order valid; NxD uses it on Trn2, while its Trn1 default interleaves replicas
-and permutes query heads). The KV-shared group is therefore K contiguous ranks inside a TP group.
+KV-shared group: with ``kv_replicator = K > 1`` each KV head is held by K TP ranks, placed as NxD places them on
+the platform (:mod:`nxd_lc.distributed.kv_layout`): ``interleaved`` (Trn1, NxD's default: ``K0 K1 .. K0 K1 ..``,
+groups ``{j, j + TP/K, ..}`` inside a TP group) or ``adjacent`` (Trn2 / Trn3: ``K0 K0 .. K1 K1 ..``, K contiguous
+ranks). :func:`get_kv_replica_layout` says which; the layers place heads by it.
 
 When ``torch.distributed`` is not initialised everything behaves as world size 1: group getters
 return ``None`` (collectives on ``None`` are no-ops), ranks are 0 and sizes are 1. When it is
@@ -34,6 +34,7 @@ import torch
 
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed.collectives import ProcessGroup
+from nxd_lc.distributed.kv_layout import INTERLEAVED, kv_shared_group_index
 
 
 @dataclass
@@ -43,6 +44,7 @@ class _State:
     dp: int
     pp: int
     kv_replicator: int
+    kv_replica_layout: str
     groups: dict[str, ProcessGroup]
     ranks: dict[str, list[int]]
     all_groups: list[ProcessGroup]
@@ -63,7 +65,8 @@ class _Store:
 _STORE: _Store = _Store()
 
 
-def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int, ep: int = 1) -> dict[str, list[list[int]]]:
+def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int, ep: int = 1,
+                   kv_layout: str = INTERLEAVED) -> dict[str, list[list[int]]]:
     """All rank lists per group kind for the ``[PP, DP, CP, TP]`` layout, EP carved from DP (pure, no
     communication)."""
 
@@ -78,7 +81,7 @@ def _layout_groups(tp: int, cp: int, dp: int, pp: int, kv: int, ep: int = 1) -> 
         "dp_cp": lambda p, d, c, t: (p, t),
         "pp": lambda p, d, c, t: (d, c, t),
         "mp": lambda p, d, c, t: (d, c),
-        "kv": lambda p, d, c, t: (p, d, c, t // kv),
+        "kv": lambda p, d, c, t: (p, d, c, kv_shared_group_index(t, tp, kv, kv_layout)),
         "ep": lambda p, d, c, t: (p, d // ep, c, t),  # dp_rank = edp_rank * EP + ep_rank
         "edp": lambda p, d, c, t: (p, d % ep, c, t),
         "edp_cp": lambda p, d, c, t: (p, d % ep, t),
@@ -102,17 +105,19 @@ def rank_layout(
     context_parallel_size: int = 1,
     kv_replicator: int = 1,
     expert_model_parallel_size: int = 1,
+    kv_replica_layout: str = INTERLEAVED,
 ) -> dict[str, list[list[int]]]:
     """Global-rank lists of every group, without creating any group.
 
-    Returns a dict with keys ``tp``, ``cp``, ``dp``, ``dp_cp`` (DP x CP), ``pp``, ``mp`` (TP x PP,
-    the model-parallel group), ``kv`` (KV-shared), ``ep`` (expert parallel), ``edp`` / ``edp_cp`` (expert data
-    parallel, without / with CP) and ``emb`` (the first and last pipeline stage of each DP/CP/TP position: tied
-    embedding weights; middle stages belong to none), each a list of sorted rank lists.
+    Returns a dict with keys ``tp``, ``cp``, ``dp``, ``dp_cp`` (DP x CP), ``pp``, ``mp`` (TP x PP, the
+    model-parallel group), ``kv`` (KV-shared, placed by ``kv_replica_layout``), ``ep`` (expert parallel), ``edp`` /
+    ``edp_cp`` (expert data parallel, without / with CP) and ``emb`` (the first and last pipeline stage of each
+    DP/CP/TP position: tied embedding weights; middle stages belong to none), each a list of sorted rank lists.
 
     Raises:
         ValueError: if a size is < 1, ``world_size`` is not divisible by TP*CP*PP, TP is not
-            divisible by ``kv_replicator``, or DP is not divisible by ``expert_model_parallel_size``.
+            divisible by ``kv_replicator``, DP is not divisible by ``expert_model_parallel_size``, or an unknown
+            ``kv_replica_layout``.
     """
     sizes = {
         "tensor_model_parallel_size": tensor_model_parallel_size,
@@ -146,7 +151,7 @@ def rank_layout(
         )
     return _layout_groups(
         tensor_model_parallel_size, context_parallel_size, dp,
-        pipeline_model_parallel_size, kv_replicator, expert_model_parallel_size,
+        pipeline_model_parallel_size, kv_replicator, expert_model_parallel_size, kv_replica_layout,
     )
 
 
@@ -156,11 +161,14 @@ def initialize_model_parallel(
     context_parallel_size: int = 1,
     kv_replicator: int = 1,
     expert_model_parallel_size: int = 1,
+    kv_replica_layout: str = INTERLEAVED,
 ) -> None:
     """Create all parallel groups over the already-initialised default process group.
 
     Must be called by every rank with the same arguments. Without torch.distributed initialised
-    only world size 1 is accepted: every size, ``kv_replicator`` included, must be 1.
+    only world size 1 is accepted: every size, ``kv_replicator`` included, must be 1. ``kv_replica_layout``:
+    where KV replicas and their query heads live (:mod:`nxd_lc.distributed.kv_layout`; NxD's default, Trn1's, is
+    ``interleaved``).
 
     Raises:
         ValueError: sizes that do not divide the world size (see :func:`rank_layout`).
@@ -171,7 +179,7 @@ def initialize_model_parallel(
     world = collectives.get_global_world_size()
     layout = rank_layout(
         world, tensor_model_parallel_size, pipeline_model_parallel_size, context_parallel_size,
-        kv_replicator, expert_model_parallel_size,
+        kv_replicator, expert_model_parallel_size, kv_replica_layout,
     )
     me = collectives.get_global_rank()
     groups: dict[str, ProcessGroup] = {}
@@ -187,7 +195,8 @@ def initialize_model_parallel(
                 groups[name], ranks[name] = by_ranks[key], rank_list
     created = [g for g in by_ranks.values() if g is not None]
     tp, cp, pp = tensor_model_parallel_size, context_parallel_size, pipeline_model_parallel_size
-    _STORE.state = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, groups, ranks, created)
+    _STORE.state = _State(tp, cp, world // (tp * cp * pp), pp, kv_replicator, kv_replica_layout, groups, ranks,
+                          created)
 
 
 def model_parallel_is_initialized() -> bool:
@@ -334,7 +343,8 @@ def get_model_parallel_group() -> ProcessGroup | None:
 
 
 def get_kv_shared_group() -> ProcessGroup | None:
-    """The ``kv_replicator`` consecutive TP ranks that hold replicas of the same KV heads."""
+    """The ``kv_replicator`` TP ranks that hold replicas of the same KV heads (placed by
+    :func:`get_kv_replica_layout`)."""
     return _group("kv")
 
 
@@ -352,6 +362,13 @@ def get_kv_replicator() -> int:
     """The ``kv_replicator`` given to :func:`initialize_model_parallel` (1 without it)."""
     state = _state()
     return 1 if state is None else state.kv_replicator
+
+
+def get_kv_replica_layout() -> str:
+    """Where KV replicas live over the TP ranks: ``interleaved`` or ``adjacent`` (:mod:`nxd_lc.distributed.kv_layout`;
+    ``interleaved``, NxD's default, before :func:`initialize_model_parallel`)."""
+    state = _state()
+    return INTERLEAVED if state is None else state.kv_replica_layout
 
 
 def get_expert_model_parallel_group() -> ProcessGroup | None:

@@ -34,10 +34,14 @@ def eval_layout(cfg: Any, world: int) -> Any:
 def init_eval_layout(cfg: Any) -> None:
     """Initialise the process group (CPU: gloo, a group of one without torchrun) and ``parallel_state`` at ``cfg``'s
     TP x CP layout (:func:`eval_layout`), with its context-parallel algorithm. The caller tears them down."""
+    from nxd_lc.context.nki import resolve_kv_replica_layout
+
     init_distributed("cpu")
     ds = cfg.distributed_strategy
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
-                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator)
+                                 context_parallel_size=ds.context_parallel_size, kv_replicator=ds.kv_replicator,
+                                 kv_replica_layout=resolve_kv_replica_layout(ds.kv_replica_layout, "cpu",
+                                                                            cfg.trainer.lnc))
     if ds.context_parallel_size > 1:
         from nxd_lc.context import set_context_parallel_algo
 

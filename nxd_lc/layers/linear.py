@@ -8,7 +8,9 @@ column layer and the output of a row layer are ``[B, S/tp, H]`` (sequence split 
 * :class:`RowParallelLinear`: weight ``[out, in/tp]`` (``partition_dim=1``), bias ``[out]``
   replicated and added after the reduction. ``[B, S, in/tp]`` -> ``[B, S, out]``.
 
-Sharded parameters carry ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``;
+Sharded parameters carry ``tensor_model_parallel=True``, ``partition_dim`` and ``partition_stride``, and, where
+rank ``r`` holds block ``partition_order[r]`` rather than block ``r`` (``o_proj`` under NxD's interleaved KV-replica
+layout: its input columns follow the query heads, :mod:`nxd_lc.distributed.kv_layout`), ``partition_order``;
 replicated ones ``tensor_model_parallel=False``. A row bias under sequence parallelism carries
 ``sequence_parallel_enabled=True`` (its gradient only sees this rank's ``S/tp`` tokens and must be
 all-reduced over TP, see :mod:`nxd_lc.distributed.grads`).
@@ -50,11 +52,13 @@ def default_init_method(fan_in: int) -> InitMethod:
     return lambda w: nn.init.uniform_(w, -bound, bound)
 
 
-def split_tensor_for_rank(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1) -> torch.Tensor:
+def split_tensor_for_rank(full: torch.Tensor, dim: int, rank: int, world_size: int, stride: int = 1,
+                          order: Sequence[int] | None = None) -> torch.Tensor:
     """Rank ``rank``'s shard of ``full`` along ``dim`` (a view/copy, same dtype and device).
 
     With ``stride > 1`` the dim is first cut into ``stride`` equal blocks (e.g. fused gate/up
     projections) and each block is split over the ranks; the rank's pieces are concatenated.
+    ``order``: rank ``r`` takes piece ``order[r]`` (a permutation of the ranks; None: piece ``r``).
 
     Raises:
         ValueError: if ``full.shape[dim]`` is not divisible by ``world_size * stride``.
@@ -65,22 +69,39 @@ def split_tensor_for_rank(full: torch.Tensor, dim: int, rank: int, world_size: i
             f"{world_size} with stride {stride}; the size must be a multiple of {world_size * stride}"
         )
     blocks = full.chunk(stride, dim=dim)
-    return torch.cat([b.chunk(world_size, dim=dim)[rank] for b in blocks], dim=dim)
+    piece = rank if order is None else order[rank]
+    return torch.cat([b.chunk(world_size, dim=dim)[piece] for b in blocks], dim=dim)
 
 
-def merge_tensor_shards(shards: Sequence[torch.Tensor], dim: int, stride: int = 1) -> torch.Tensor:
-    """Inverse of :func:`split_tensor_for_rank`: ``shards[r]`` is rank r's shard; returns the full tensor."""
+def merge_tensor_shards(shards: Sequence[torch.Tensor], dim: int, stride: int = 1,
+                        order: Sequence[int] | None = None) -> torch.Tensor:
+    """Inverse of :func:`split_tensor_for_rank`: ``shards[r]`` is rank r's shard (piece ``order[r]`` when
+    given); returns the full tensor."""
+    if order is not None:
+        by_piece = [shards[0]] * len(shards)
+        for r, piece in enumerate(order):
+            by_piece[piece] = shards[r]
+        shards = by_piece
     pieces = [s.chunk(stride, dim=dim) for s in shards]
     return torch.cat([p[b] for b in range(stride) for p in pieces], dim=dim)
 
 
-def mark_parameter(param: nn.Parameter, partition_dim: int | None, stride: int = 1) -> nn.Parameter:
-    """Set the TP attributes: ``partition_dim=None`` marks a TP-replicated parameter."""
+def mark_parameter(param: nn.Parameter, partition_dim: int | None, stride: int = 1,
+                   order: Sequence[int] | None = None) -> nn.Parameter:
+    """Set the TP attributes: ``partition_dim=None`` marks a TP-replicated parameter; ``order`` (rank ``r`` holds
+    piece ``order[r]``) is kept as ``partition_order`` unless it is the identity."""
     param.tensor_model_parallel = partition_dim is not None
     if partition_dim is not None:
         param.partition_dim = partition_dim
         param.partition_stride = stride
+        if order is not None and tuple(order) != tuple(range(len(order))):
+            param.partition_order = tuple(order)
     return param
+
+
+def partition_order(param: torch.Tensor) -> tuple[int, ...] | None:
+    """The ``partition_order`` of a sharded parameter (None: rank ``r`` holds piece ``r``)."""
+    return getattr(param, "partition_order", None)
 
 
 def shard_full_parameter(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
@@ -94,6 +115,7 @@ def shard_full_parameter(full: torch.Tensor, param: torch.Tensor) -> torch.Tenso
         local = split_tensor_for_rank(
             full, param.partition_dim, parallel_state.get_tensor_model_parallel_rank(),
             parallel_state.get_tensor_model_parallel_world_size(), getattr(param, "partition_stride", 1),
+            partition_order(param),
         )
     else:
         local = full
@@ -114,18 +136,20 @@ def gather_full_parameter(param: torch.Tensor) -> torch.Tensor:
     world = parallel_state.get_tensor_model_parallel_world_size()
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     gathered = collectives.all_gather(data, dim, parallel_state.get_tensor_model_parallel_group())
-    return merge_tensor_shards(gathered.chunk(world, dim=dim), dim, stride)
+    return merge_tensor_shards(gathered.chunk(world, dim=dim), dim, stride, partition_order(param))
 
 
 def init_parameter(
     full_shape: tuple[int, ...], partition_dim: int | None, init_method: InitMethod, dtype: torch.dtype,
     device: torch.device | str | None, use_cpu_initialization: bool, stride: int = 1,
+    order: Sequence[int] | None = None,
 ) -> nn.Parameter:
     """Create this rank's (possibly sharded) parameter; see the module docstring for the two modes.
 
     Args:
         full_shape: the unsharded shape.
         partition_dim: dim split over TP, or None for a TP-replicated parameter.
+        order: rank ``r`` holds piece ``order[r]`` of the partitioned dim (None: piece ``r``).
     """
     device = torch.device(device) if device is not None else torch.get_default_device()
     rank = parallel_state.get_tensor_model_parallel_rank()
@@ -133,7 +157,8 @@ def init_parameter(
     if use_cpu_initialization or partition_dim is None:
         master = torch.empty(full_shape, dtype=torch.float32, device=HOST)  # same values on every device
         init_method(master)
-        local = master if partition_dim is None else split_tensor_for_rank(master, partition_dim, rank, world, stride)
+        local = (master if partition_dim is None
+                 else split_tensor_for_rank(master, partition_dim, rank, world, stride, order))
         data = local.to(device=device, dtype=dtype)
     else:
         local_shape = list(full_shape)
@@ -149,7 +174,7 @@ def init_parameter(
             data = torch.empty(local_shape, dtype=dtype, device=device)
             init_method(data)
     param = nn.Parameter(data.contiguous())
-    return mark_parameter(param, partition_dim, stride)
+    return mark_parameter(param, partition_dim, stride, order)
 
 
 def _zeros_init(t: torch.Tensor) -> object:
@@ -221,16 +246,20 @@ class RowParallelLinear(nn.Module):
     here) -> partial products summed over TP -> ``[B, S, out]``, or reduce-scattered on dim 1 to
     ``[B, S/tp, out]`` with ``sequence_parallel_enabled``. The bias is added after the reduction.
 
+    ``partition_order``: rank ``r`` holds the block ``partition_order[r]`` of the input columns (the attention
+    output projection under NxD's interleaved KV-replica layout, whose input is the rank's query heads:
+    :func:`nxd_lc.distributed.kv_layout.query_block_order`); None: block ``r``.
+
     Raises:
-        ValueError: ``input_size`` not divisible by the TP size; ``sequence_parallel_enabled`` with
-            ``input_is_parallel=False``.
+        ValueError: ``input_size`` not divisible by the TP size; ``sequence_parallel_enabled`` or a
+            ``partition_order`` with ``input_is_parallel=False``.
     """
 
     def __init__(
         self, input_size: int, output_size: int, bias: bool = True, input_is_parallel: bool = True,
         sequence_parallel_enabled: bool = False, init_method: InitMethod | None = None,
         dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
-        use_cpu_initialization: bool = True,
+        use_cpu_initialization: bool = True, partition_order: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
         world = parallel_state.get_tensor_model_parallel_world_size()
@@ -241,10 +270,14 @@ class RowParallelLinear(nn.Module):
             )
         if sequence_parallel_enabled and not input_is_parallel:
             raise ValueError("RowParallelLinear: sequence_parallel_enabled=True requires input_is_parallel=True")
+        if partition_order is not None and not input_is_parallel:
+            raise ValueError("RowParallelLinear: a partition_order requires input_is_parallel=True (the input is "
+                             "split in rank order here)")
         self.input_size, self.output_size = input_size, output_size
         self.input_is_parallel, self.sequence_parallel_enabled = input_is_parallel, sequence_parallel_enabled
         init = init_method or default_init_method(input_size)
-        self.weight = init_parameter((output_size, input_size), 1, init, dtype, device, use_cpu_initialization)
+        self.weight = init_parameter((output_size, input_size), 1, init, dtype, device, use_cpu_initialization,
+                                     order=partition_order)
         self.bias = init_parameter((output_size,), None, _zeros_init, dtype, device, True) if bias else None
         if self.bias is not None and sequence_parallel_enabled:
             self.bias.sequence_parallel_enabled = True

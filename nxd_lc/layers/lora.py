@@ -75,6 +75,7 @@ from nxd_lc.layers.linear import (
     init_parameter,
     mark_parameter,
     merge_tensor_shards,
+    partition_order,
     shard_full_parameter,
 )
 from nxd_lc.layers.qkv import GQAQKVColumnParallelLinear
@@ -144,7 +145,7 @@ def _gather_like(t: torch.Tensor, param: nn.Parameter) -> torch.Tensor:
         return t.clone()
     dim, stride = param.partition_dim, getattr(param, "partition_stride", 1)
     gathered = collectives.all_gather(t.contiguous(), dim, parallel_state.get_tensor_model_parallel_group())
-    return merge_tensor_shards(gathered.chunk(world, dim=dim), dim, stride)
+    return merge_tensor_shards(gathered.chunk(world, dim=dim), dim, stride, partition_order(param))
 
 
 def _zeros(t: torch.Tensor) -> object:
@@ -263,7 +264,8 @@ class LoraRowParallelLinear(_LoraLayer, RowParallelLinear):
         """Create the adapters (``A``: full ``[r, in]`` Kaiming-uniform on CPU, this rank keeps its columns, so
         any TP size gives the TP=1 values; ``B`` zero) in the base weight's dtype and device."""
         w, r = self.weight, int(cfg.lora_rank)
-        a = init_parameter((r, self.input_size), 1, default_init_method(self.input_size), w.dtype, w.device, True)
+        a = init_parameter((r, self.input_size), 1, default_init_method(self.input_size), w.dtype, w.device, True,
+                           order=partition_order(w))  # A's columns follow the base weight's (its input's)
         b = init_parameter((self.output_size, r), None, _zeros, w.dtype, w.device, True)
         self._register_adapters(a, b, cfg, partial_grad="lora_B")
 
@@ -325,8 +327,8 @@ class LoraGQAQKVColumnParallelLinear(_LoraLayer, GQAQKVColumnParallelLinear):
             raise ValueError(f"qkv LoRA: expected full A {tuple(self.lora_A.shape)} and B {((nq + 2 * nkv) * hd, r)}, "
                              f"got {tuple(a.shape)} and {tuple(b.shape)}; check lora_rank and the model config")
         q, k, v = b.split([nq * hd, nkv * hd, nkv * hd])
-        rank, heads = parallel_state.get_tensor_model_parallel_rank(), self._kv_head_ids()
-        q_loc = q.reshape(nq, hd, r)[rank * self.num_heads_local:(rank + 1) * self.num_heads_local]
+        block, heads = self.query_block(), self._kv_head_ids()
+        q_loc = q.reshape(nq, hd, r)[block * self.num_heads_local:(block + 1) * self.num_heads_local]
         k_loc, v_loc = k.reshape(nkv, hd, r)[heads], v.reshape(nkv, hd, r)[heads]
         return a, torch.cat([t.reshape(-1, r) for t in (q_loc, k_loc, v_loc)])
 

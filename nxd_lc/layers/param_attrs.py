@@ -44,14 +44,15 @@ __all__ = [
 ]
 
 #: Every attribute an nxd_lc layer sets on a parameter (the one list): TP layout (``tensor_model_parallel``,
-#: ``partition_dim``, ``partition_stride``: :func:`nxd_lc.layers.linear.mark_parameter`), TP-replicated with partial
-#: gradients (``sequence_parallel_enabled``: norms, position tables, row biases under SP, LoRA adapters, the MoE
-#: router), KV replicas (``kv_replicated``, ``kv_replicated_rows``: GQA QKV with ``kv_replicator > 1``), experts
-#: (``expert_model_parallel``), the tied embedding split over pipeline stages (``pipeline_tied``,
-#: ``pipeline_tied_copy``) and the router's fp32 master flag (``keep_fp32``).
+#: ``partition_dim``, ``partition_stride``, ``partition_order``: :func:`nxd_lc.layers.linear.mark_parameter`),
+#: TP-replicated with partial gradients (``sequence_parallel_enabled``: norms, position tables, row biases under SP,
+#: LoRA adapters, the MoE router), KV replicas (``kv_replicated``, ``kv_replicated_rows``: GQA QKV with
+#: ``kv_replicator > 1``), experts (``expert_model_parallel``), the tied embedding split over pipeline stages
+#: (``pipeline_tied``, ``pipeline_tied_copy``) and the router's fp32 master flag (``keep_fp32``).
 PARALLEL_ATTRIBUTES: tuple[str, ...] = (
     "tensor_model_parallel",
     "partition_dim",
+    "partition_order",
     "partition_stride",
     "sequence_parallel_enabled",
     "kv_replicated",

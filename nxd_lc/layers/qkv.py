@@ -4,12 +4,15 @@ Heads: ``nq`` query heads, ``nkv`` key/value heads, ``hd`` head dim, hidden size
 ``tp``, ``K = kv_replicator``. HF layout of the full weights: ``q [nq*hd, H]``, ``k``/``v``
 ``[nkv*hd, H]``; query head ``h`` attends with KV head ``h // (nq / nkv)``.
 
-Sharding: rank ``r`` holds query heads ``[r*nq/tp, (r+1)*nq/tp)``. When ``nkv >= tp`` (``K = 1``)
-it holds KV heads ``[r*nkv/tp, (r+1)*nkv/tp)``. When ``nkv < tp`` every KV head is replicated
-``K = tp / nkv`` times on consecutive ranks (``K0 K0 .. K1 K1 ..``, NxD's "sequential" replica
-layout), so rank ``r`` holds the single KV head ``r // K`` — exactly the head its query heads
-use, so local attention is ordinary GQA with ``nq_local / nkv_local`` queries per KV head.
-Per-rank KV heads = ``nkv * K / tp``.
+Sharding: when ``nkv >= tp`` (``K = 1``) rank ``r`` holds query heads ``[r*nq/tp, (r+1)*nq/tp)`` and KV heads
+``[r*nkv/tp, (r+1)*nkv/tp)``. When ``nkv < tp`` every KV head is replicated ``K = tp / nkv`` times and each rank
+holds one KV head and the block of ``nq/tp`` query heads that attend with it, placed as NxD places them on the
+platform (:mod:`nxd_lc.distributed.kv_layout`, :func:`nxd_lc.distributed.parallel_state.get_kv_replica_layout`):
+``interleaved`` (Trn1: ``K0 K1 .. K0 K1 ..``, rank ``r`` holds KV head ``r % nkv`` and query block
+``(r % nkv) K + r // nkv``) or ``adjacent`` (Trn2 / Trn3: ``K0 K0 .. K1 K1 ..``, KV head ``r // K``, query block
+``r``). Either way local attention is ordinary GQA with ``nq_local / nkv_local`` queries per KV head, and the
+attention's output projection takes the input columns of the same query block
+(:meth:`GQAQKVColumnParallelLinear.output_partition_order`). Per-rank KV heads = ``nkv * K / tp``.
 
 Parameters: ``fuse_qkv=True`` keeps ``weight_qkv [(nq_l + 2*nkv_l)*hd, H]`` (rows: local q, then
 local k, then local v); ``fuse_qkv=False`` keeps ``weight_q``, ``weight_k``, ``weight_v``. All are
@@ -26,6 +29,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from nxd_lc.distributed import collectives, parallel_state
+from nxd_lc.distributed.kv_layout import kv_heads_of_rank, query_block_of_rank, query_block_order
 from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
     sequence_parallel_linears,
@@ -97,6 +101,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
         self.hidden_size, self.head_dim = hidden_size, head_dim
         self.num_attention_heads, self.num_key_value_heads = num_attention_heads, num_key_value_heads
         self.kv_replicator, self.fuse_qkv = kv_replicator, fuse_qkv
+        self.kv_replica_layout = parallel_state.get_kv_replica_layout()
         self.sequence_parallel_enabled = sequence_parallel_enabled
         self.num_heads_local = num_attention_heads // tp
         self.num_kv_heads_local = num_key_value_heads * kv_replicator // tp
@@ -140,7 +145,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
             return
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         # replicas of one KV head must start identical: seed by the KV head, not the TP rank
-        kv_index = tp_rank // self.kv_replicator
+        kv_index = self._kv_head_ids()[0]
         base = int(torch.randint(0, 2**31 - 1, (1,)).item())
         with torch.no_grad(), fork_accelerator_rng():
             for name, param in self._local_params().items():
@@ -160,9 +165,21 @@ class GQAQKVColumnParallelLinear(nn.Module):
 
     def _kv_head_ids(self) -> list[int]:
         """Original (HF) KV head index of each local KV head, in local order."""
-        rank = parallel_state.get_tensor_model_parallel_rank()
-        first = rank * self.num_kv_heads_local
-        return [(first + j) // self.kv_replicator for j in range(self.num_kv_heads_local)]
+        return kv_heads_of_rank(parallel_state.get_tensor_model_parallel_rank(),
+                                parallel_state.get_tensor_model_parallel_world_size(), self.num_key_value_heads,
+                                self.kv_replica_layout)
+
+    def query_block(self) -> int:
+        """The block of ``nq / tp`` consecutive (HF-order) query heads this rank holds."""
+        return query_block_of_rank(parallel_state.get_tensor_model_parallel_rank(),
+                                   parallel_state.get_tensor_model_parallel_world_size(), self.num_key_value_heads,
+                                   self.kv_replica_layout)
+
+    def output_partition_order(self) -> tuple[int, ...]:
+        """``order[r]``: the query block of TP rank ``r``, which is also the block of the attention output
+        projection's input columns it must hold (``RowParallelLinear(partition_order=...)``)."""
+        return query_block_order(parallel_state.get_tensor_model_parallel_world_size(), self.num_key_value_heads,
+                                 self.kv_replica_layout)
 
     def shard_qkv_weights(
         self, q_full: torch.Tensor, k_full: torch.Tensor, v_full: torch.Tensor,
@@ -186,11 +203,11 @@ class GQAQKVColumnParallelLinear(nn.Module):
         for name, t in zip(expect, (q_full, k_full, v_full)):
             if tuple(t.shape) != expect[name]:
                 raise ValueError(f"shard_qkv_weights: {name} has shape {tuple(t.shape)}, expected {expect[name]}")
-        rank = parallel_state.get_tensor_model_parallel_rank()
+        block = self.query_block()
         heads = self._kv_head_ids()
 
         def local(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
-            q_loc = q.reshape(nq, hd, *q.shape[1:])[rank * self.num_heads_local:(rank + 1) * self.num_heads_local]
+            q_loc = q.reshape(nq, hd, *q.shape[1:])[block * self.num_heads_local:(block + 1) * self.num_heads_local]
             k_loc = k.reshape(nkv, hd, *k.shape[1:])[heads]
             v_loc = v.reshape(nkv, hd, *v.shape[1:])[heads]
             return [t.reshape(-1, *q.shape[1:]) for t in (q_loc, k_loc, v_loc)]
@@ -221,12 +238,21 @@ class GQAQKVColumnParallelLinear(nn.Module):
 
     def _gather_full(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
         group = parallel_state.get_tensor_model_parallel_group()
-        q_full = collectives.all_gather(q.contiguous(), 0, group)
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        blocks = collectives.all_gather(q.contiguous(), 0, group).chunk(tp, dim=0)  # rank r's query block
+        order = self.output_partition_order()
+        q_full = torch.cat([blocks[order.index(b)] for b in range(tp)], dim=0)
+        # the first rank holding each HF KV head, and that head's position in its local heads
+        holder = {}
+        for r in range(tp):
+            for j, h in enumerate(kv_heads_of_rank(r, tp, self.num_key_value_heads, self.kv_replica_layout)):
+                holder.setdefault(h, r * self.num_kv_heads_local + j)
+        picks = [holder[h] for h in range(self.num_key_value_heads)]
         kv = []
         for t in (k, v):
-            replicated = collectives.all_gather(t.contiguous(), 0, group)  # [nkv*K*hd, ...]
-            per_head = replicated.reshape(self.num_key_value_heads, self.kv_replicator, self.head_dim, *t.shape[1:])
-            kv.append(per_head[:, 0].reshape(-1, *t.shape[1:]))
+            replicated = collectives.all_gather(t.contiguous(), 0, group)  # [tp*nkv_l*hd, ...]
+            per_head = replicated.reshape(tp * self.num_kv_heads_local, self.head_dim, *t.shape[1:])
+            kv.append(per_head[picks].reshape(-1, *t.shape[1:]))
         return q_full, kv[0], kv[1]
 
     @torch.no_grad()
@@ -272,4 +298,5 @@ class GQAQKVColumnParallelLinear(nn.Module):
         return (f"hidden={self.hidden_size}, heads={self.num_attention_heads}, kv_heads={self.num_key_value_heads}, "
                 f"head_dim={self.head_dim}, local_heads={self.num_heads_local}, "
                 f"local_kv_heads={self.num_kv_heads_local}, kv_replicator={self.kv_replicator}, "
+                f"kv_replica_layout={self.kv_replica_layout}, "
                 f"fuse_qkv={self.fuse_qkv}")

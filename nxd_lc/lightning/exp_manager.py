@@ -172,9 +172,14 @@ def _explicit_checkpoint(cfg: NxdConfig) -> Optional[str]:
     if not em.resume_from_checkpoint:
         return None
     path = resolve_path(em.resume_from_checkpoint)
-    if not sharded.is_complete(path):
+    if not sharded.is_complete(path) and not sharded.is_unmarked_nxd_checkpoint(path):
         raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} is not a complete checkpoint (no "
                            f"'done' marker); pick another tag under {os.path.dirname(path)}"])
+    if not cfg.model.weight_init_only and not os.path.isdir(os.path.join(path, sharded.OPTIM_DIR)):
+        raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} holds model weights only (no "
+                           f"'{sharded.OPTIM_DIR}/' shards: NxD's converter and nxd_lc.cli.convert write none), so "
+                           f"the training state cannot be resumed from it; set model.weight_init_only: true to "
+                           f"start from its weights with a fresh optimizer"])
     problem = _verify_everywhere(cfg, path)
     if problem:
         raise ConfigError([f"exp_manager.resume_from_checkpoint: {path} failed verification: {problem}; pick "

@@ -16,6 +16,7 @@ group already initialised and leaves it alone.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from typing import Any, Mapping, Optional
@@ -24,12 +25,15 @@ import torch
 from pytorch_lightning.strategies import DDPStrategy
 
 from nxd_lc.checkpoint import reshard, sharded
+from nxd_lc.checkpoint.nxd_format import key_mismatch_message
 from nxd_lc.checkpoint.xser import map_tensors
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.layers.lora import is_lora_key, load_lora_state_dict
 from nxd_lc.layers.param_attrs import check_parallel_attributes, move_module, preserving_parallel_attributes
 from nxd_lc.lightning.callbacks import flush_loggers
 from nxd_lc.lightning.ckpt_version import apply_ckpt_ptl_version
+
+log = logging.getLogger(__name__)
 
 MODEL_KEY = "state_dict"
 OPTIM_KEYS = ("optimizer_states", "lr_schedulers")
@@ -276,23 +280,26 @@ class NxDStrategy(DDPStrategy):
         at another TP or PP size; saved with ZeRO-1 over another number of DP x CP ranks)."""
         saved = reshard.saved_layout(tag_dir)
         ep = ps.get_expert_model_parallel_world_size()
+        assert self.lightning_module is not None
+        reason = reshard.reshard_reason(self.lightning_module.model, tag_dir, saved, self.load_xser)
         if saved.ep != ep:
             raise ValueError(f"checkpoint {tag_dir} was saved with expert_model_parallel_size {saved.ep} but this run "
                              f"uses {ep}: re-sharding experts over another EP size is not supported yet; resume "
                              f"with distributed_strategy.expert_model_parallel_size={saved.ep}")
-        model_moves = (saved.tp, saved.pp) != (ps.get_tensor_model_parallel_world_size(),
-                                               ps.get_pipeline_model_parallel_world_size())
+        model_moves = reason is not None
+        if model_moves:
+            log.warning("checkpoint %s is re-sharded for this run: %s", tag_dir, reason)
         files_now = ps.get_data_parallel_world_size(with_context_parallel=True) if self.zero1 else 1
         optim_moves = saved.optim_dp > 0 and (model_moves or (saved.optim_dp > 1 and saved.optim_dp != files_now))
+        why = reason or f"{saved.optim_dp} optimizer shard(s), this run's ZeRO-1 has {files_now}"
         if ep > 1 and (model_moves or optim_moves):
-            raise ValueError(f"checkpoint {tag_dir} was saved at another TP / PP / ZeRO-1 layout (TP {saved.tp}, PP "
-                             f"{saved.pp}, {saved.optim_dp} optimizer shard(s)); re-sharding checkpoints with expert "
-                             "parallelism is not supported yet: resume at the saved sizes and distributed_strategy."
-                             "zero1")
+            raise ValueError(f"checkpoint {tag_dir} was saved at another layout ({why}); re-sharding checkpoints "
+                             "with expert parallelism is not supported yet: resume at the saved sizes, "
+                             "model.pipeline_cuts and distributed_strategy.zero1")
         if self.lora_only and (model_moves or optim_moves):
-            raise ValueError(f"checkpoint {tag_dir} holds LoRA adapters only and was saved at another TP / PP / "
-                             "ZeRO-1 layout; re-sharding adapter checkpoints is not supported: resume at the saved "
-                             "sizes")
+            raise ValueError(f"checkpoint {tag_dir} holds LoRA adapters only and was saved at another layout "
+                             f"({why}); re-sharding adapter checkpoints is not supported: resume at the saved "
+                             "sizes and model.pipeline_cuts")
         return model_moves, optim_moves
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -331,7 +338,12 @@ class NxDStrategy(DDPStrategy):
         """
         assert self.lightning_module is not None
         if not self.lora_only:
-            self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=strict)
+            try:
+                self.lightning_module.load_state_dict(checkpoint[MODEL_KEY], strict=strict)
+            except RuntimeError as e:
+                raise ValueError(key_mismatch_message(self._loaded_tag_dir or "the checkpoint",
+                                                      self.lightning_module.state_dict(), checkpoint[MODEL_KEY],
+                                                      e)) from e
             return
         # adapter-only shard: every adapter must be there, nothing else (keys and shapes checked by the loader)
         load_lora_state_dict(self.lightning_module, checkpoint[MODEL_KEY])

@@ -6,9 +6,10 @@ embedding lives on stage 0 and the final norm, lm head and loss on stage ``num_s
 holds stages ``r, r + PP, r + 2 PP, ...`` (NxD / Megatron interleaving; the "loop" placement of
 ``torch.distributed.pipelining``).
 
-* Default, balanced by layer count: every stage gets ``L // num_stages`` layers; the ``L % num_stages`` extra
-  layers go to the middle stages first (stage 0 also runs the embedding, the last stage the lm head and the
-  loss), then to the first and last.
+* Default, NxD's (``neuronx_distributed.pipeline.partition.create_partitions``): every stage gets
+  ``L // num_stages`` layers and the ``L % num_stages`` extra layers go to the last stages, so a checkpoint NxD's
+  converter or trainer wrote at an uneven layer count loads without ``pipeline_cuts`` (nxd_lc before this version
+  gave them to the middle stages first; such checkpoints are re-sharded on load, their split read from the files).
 * ``model.pipeline_cuts`` (NxDT): ``["model.layers.18", ...]`` names the *last* layer of every stage but the
   last, so it has ``num_stages - 1`` entries in increasing order; ``layers.18`` (without ``model.``) is accepted
   too.
@@ -35,12 +36,7 @@ def balanced_layer_counts(num_layers: int, num_stages: int) -> list[int]:
                          f"(pipeline_model_parallel_size x virtual_pipeline_model_parallel_size = {num_stages}): "
                          "a stage would hold no decoder layer; lower the pipeline sizes or add layers")
     base, extra = divmod(num_layers, num_stages)
-    counts = [base] * num_stages
-    middle = list(range(1, num_stages - 1))
-    order = sorted(middle, key=lambda s: abs(s - (num_stages - 1) / 2)) + [0, num_stages - 1]
-    for s in order[:extra]:
-        counts[s] += 1
-    return counts
+    return [base] * (num_stages - extra) + [base + 1] * extra
 
 
 def parse_pipeline_cuts(cuts: Sequence[str], num_layers: int, num_stages: int) -> list[int]:

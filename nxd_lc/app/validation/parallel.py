@@ -15,6 +15,7 @@ from nxd_lc.config.access import (
     seq_length,
 )
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.distributed.kv_layout import KV_REPLICA_LAYOUTS
 from nxd_lc.pipeline.split import split_problems
 from nxd_lc.runtime.device import is_lazy_config_accelerator
 
@@ -26,6 +27,11 @@ def parallel_problems(cfg: NxdConfig, world_size: int | None) -> list[str]:
                 "kv_replicator", "virtual_pipeline_model_parallel_size"):
         if getattr(ds, key) < 1:
             p.append(f"distributed_strategy.{key}: must be >= 1, got {getattr(ds, key)}")
+    for key, value in (("distributed_strategy.kv_replica_layout", ds.kv_replica_layout),
+                       ("exp_manager.checkpoint_kv_replica_layout", cfg.exp_manager.checkpoint_kv_replica_layout)):
+        if value not in ("auto", *KV_REPLICA_LAYOUTS):
+            p.append(f"{key}: {value!r} is not one of auto, {', '.join(KV_REPLICA_LAYOUTS)} (interleaved: NxD's "
+                     f"KV-replica layout on Trn1; adjacent: on Trn2 / Trn3)")
     if tr.devices < 1 or tr.num_nodes < 1:
         p.append("trainer.devices / trainer.num_nodes: must be >= 1")
         return p

@@ -16,7 +16,8 @@ The key is a SHA-256 over
 * the model config that shapes the converted tensors: the ``model.model_config`` file's content, the YAML overrides
   (num_layers, hidden_size, rope_theta, max_position_embeddings, encoder_seq_length), ``hf_config_overrides``,
   ``fuse_qkv``, ``qkv_linear``;
-* the layout: TP and PP sizes, virtual stages, ``pipeline_cuts``, ``kv_replicator``; and a format version.
+* the layout: TP and PP sizes, virtual stages, ``pipeline_cuts``, ``kv_replicator`` and the KV-replica layout; and a
+  format version.
 
 Writes are atomic per rank (temporary file, then ``os.replace``), with a SHA-256 sidecar ``<file>.sha256`` replaced
 last; an entry whose file is missing, truncated or differs from its sidecar is rebuilt, never loaded. No collective
@@ -36,11 +37,12 @@ from typing import Any
 
 import torch
 
+from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.runtime.files import file_digest
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the KV-replica layout in the key, NxD's default pipeline split
 _MODEL_KEYS = ("num_layers", "hidden_size", "rope_theta", "max_position_embeddings", "encoder_seq_length",
                "hf_config_overrides", "fuse_qkv", "qkv_linear", "pipeline_cuts")
 
@@ -69,7 +71,7 @@ def cache_key(cfg: Any, hf_dir: str, tp: int, pp: int) -> str:
     parts = {"format": FORMAT_VERSION, "hf": hf_identity(hf_dir), "model_config": model_config,
              "model": {k: getattr(m, k, None) for k in _MODEL_KEYS},
              "layout": {"tp": tp, "pp": pp, "vpp": ds.virtual_pipeline_model_parallel_size,
-                        "kv_replicator": ds.kv_replicator,
+                        "kv_replicator": ds.kv_replicator, "kv_replica_layout": ps.get_kv_replica_layout(),
                         "ep": getattr(ds, "expert_model_parallel_size", 1)}}
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -14,6 +14,7 @@ from torch import nn
 
 from nxd_lc.distributed import parallel_state
 from nxd_lc.layers import GQAQKVColumnParallelLinear
+from nxd_lc.layers.linear import partition_order
 from nxd_lc.models.common.mlp import GeluMLP
 from nxd_lc.models.llama.hf_safetensors import SafetensorsCheckpoint
 from nxd_lc.models.llama.model import LlamaForCausalLM
@@ -25,7 +26,9 @@ __all__ = ["Entry", "hf_entries", "read_entry"]
 @dataclass
 class Entry:
     """One HF <-> nxd mapping. kinds: vocab (rows, padded), column (rows), row (cols), replicated,
-    gate_up (rows of gate and up, stride 2), qkv (GQA heads; ``params`` maps local names)."""
+    gate_up (rows of gate and up, stride 2), qkv (GQA heads; ``params`` maps local names). ``module``: the GQA
+    projection of a qkv entry, and of the attention output projection's row entry (its input columns follow that
+    projection's query blocks: :mod:`nxd_lc.distributed.kv_layout`)."""
 
     kind: str
     hf_names: list[str]
@@ -59,8 +62,10 @@ def _attention_entries(p: str, hp: str, attn: nn.Module) -> list[Entry]:
     for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms
         if getattr(attn, name) is not None:
             out += _norm_entries(f"{p}.{name}", f"{hp}.{name}", getattr(attn, name))
-    out += _linear_entries(f"{p}.o_proj", f"{hp}.o_proj", attn.o_proj, "row")
-    return out
+    o_proj = _linear_entries(f"{p}.o_proj", f"{hp}.o_proj", attn.o_proj, "row")
+    if attn.qkv_linear:
+        o_proj[0].module = attn.qkv_proj
+    return out + o_proj
 
 
 def hf_entries(model: LlamaForCausalLM) -> list[Entry]:
@@ -153,14 +158,17 @@ def _expect_shape(ckpt: SafetensorsCheckpoint, name: str, expected: tuple[int, .
         )
 
 
-def _read_shard(ckpt: SafetensorsCheckpoint, name: str, local_shape: torch.Size, dim: int) -> torch.Tensor:
-    """This rank's contiguous block of ``name`` along ``dim`` (column: 0, row: 1)."""
+def _read_shard(ckpt: SafetensorsCheckpoint, name: str, local_shape: torch.Size, dim: int,
+                order: tuple[int, ...] | None = None) -> torch.Tensor:
+    """This rank's contiguous block of ``name`` along ``dim`` (column: 0, row: 1): block ``order[rank]`` when
+    the parameter has a ``partition_order``, else block ``rank``."""
     rank, tp = _tp()
     full = list(local_shape)
     full[dim] *= tp
     _expect_shape(ckpt, name, tuple(full))
     n = local_shape[dim]
-    return ckpt.read(name, dim, rank * n, (rank + 1) * n)
+    piece = rank if order is None else order[rank]
+    return ckpt.read(name, dim, piece * n, (piece + 1) * n)
 
 
 def _read_vocab(ckpt: SafetensorsCheckpoint, name: str, param: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -183,18 +191,18 @@ def _read_gate_up(ckpt: SafetensorsCheckpoint, e: Entry, param: torch.Tensor) ->
 
 
 def _read_qkv(ckpt: SafetensorsCheckpoint, e: Entry) -> list[torch.Tensor]:
-    """Local q (this rank's query heads) and k, v (its KV heads, replicas of HF head ``(r*nkv_l+j)//K``),
+    """Local q (this rank's query block) and k, v (its KV heads; both placed by the layer's KV-replica layout),
     reading only those heads' rows; returns ``[qkv]`` (fused) or ``[q, k, v]``, like the params."""
     layer = e.module
     assert isinstance(layer, GQAQKVColumnParallelLinear)
-    rank, _ = _tp()
-    hd, nq_l, nkv_l, k_rep = layer.head_dim, layer.num_heads_local, layer.num_kv_heads_local, layer.kv_replicator
+    hd, nq_l, nkv_l = layer.head_dim, layer.num_heads_local, layer.num_kv_heads_local
     rest = (layer.hidden_size,) if e.qkv_part == "weight" else ()
     q_name, k_name, v_name = e.hf_names
     _expect_shape(ckpt, q_name, (layer.num_attention_heads * hd, *rest))
-    q = ckpt.read(q_name, 0, rank * nq_l * hd, (rank + 1) * nq_l * hd)
-    heads = [(rank * nkv_l + j) // k_rep for j in range(nkv_l)]
-    lo, hi = heads[0], heads[-1] + 1
+    qb = layer.query_block()
+    q = ckpt.read(q_name, 0, qb * nq_l * hd, (qb + 1) * nq_l * hd)
+    heads = layer._kv_head_ids()
+    lo, hi = min(heads), max(heads) + 1
 
     def read_kv(name: str) -> torch.Tensor:
         _expect_shape(ckpt, name, (layer.num_key_value_heads * hd, *rest))
@@ -225,5 +233,5 @@ def read_entry(ckpt: SafetensorsCheckpoint, e: Entry, vocab_size: int) -> list[t
     if e.kind == "replicated":
         _expect_shape(ckpt, e.hf_names[0], tuple(p.shape))
         return [ckpt.read(e.hf_names[0])]
-    return [_read_shard(ckpt, e.hf_names[0], p.shape, 0 if e.kind == "column" else 1)]
+    return [_read_shard(ckpt, e.hf_names[0], p.shape, 0 if e.kind == "column" else 1, partition_order(p))]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from nxd_lc.distributed.kv_layout import INTERLEAVED, kv_heads_of_rank, rank_of_query_block, replication
 from nxd_lc.layers import GQAQKVColumnParallelLinear
 from nxd_lc.models.llama.hf_mapping import hf_entries, read_entry
 from nxd_lc.models.llama.model import LlamaForCausalLM
@@ -64,11 +65,13 @@ def _lookup(shard: dict[str, torch.Tensor], name: str, tied: bool) -> torch.Tens
 
 
 def _merge_qkv(layer: GQAQKVColumnParallelLinear, locals_: list[list[torch.Tensor]], fused: bool,
-               where: str) -> list[torch.Tensor]:
+               where: str, kv_layout: str) -> list[torch.Tensor]:
     """Full HF ``[q, k, v]`` from every old TP rank's local q/k/v (fused ``[qkv]`` or ``[q, k, v]``).
 
-    Old layout (:mod:`nxd_lc.layers.qkv`): TP rank ``r`` holds query heads ``[r*nq_l, (r+1)*nq_l)`` and KV heads
-    ``(r*nkv_l + j) // K`` for ``j < nkv_l`` (``K`` = that run's ``kv_replicator``, recovered from the shapes).
+    Old layout (:mod:`nxd_lc.layers.qkv`, :mod:`nxd_lc.distributed.kv_layout`): TP rank ``r`` holds query block
+    :func:`~nxd_lc.distributed.kv_layout.query_block_of_rank` and the KV heads
+    :func:`~nxd_lc.distributed.kv_layout.kv_heads_of_rank` of the saved TP size and ``kv_layout`` (its
+    replication ``K`` checked against the shapes).
     """
     tp, hd = len(locals_), layer.head_dim
     nq, nkv = layer.num_attention_heads, layer.num_key_value_heads
@@ -89,20 +92,23 @@ def _merge_qkv(layer: GQAQKVColumnParallelLinear, locals_: list[list[torch.Tenso
     if nq % tp or k_rep < 1 or nkv_l * tp != nkv * k_rep:
         raise ValueError(f"{where}: q/k/v shards of {tp} TP ranks with {nkv_l} KV heads each do not fit "
                          f"{nq} query / {nkv} KV heads; model.model_config must be that of the saved run")
+    if k_rep != replication(tp, nkv):
+        raise ValueError(f"{where}: {tp} TP ranks hold {nkv_l} KV head(s) each: KV heads replicated {k_rep} times "
+                         f"where {nkv} KV heads over TP {tp} replicate {replication(tp, nkv)} times")
     rest = k_parts[0].shape[1:]
     full = []
     for parts in (k_parts, v_parts):
         out = parts[0].new_empty((nkv * hd, *rest))
         for r, t in enumerate(parts):
-            for j in range(nkv_l):
-                h = (r * nkv_l + j) // k_rep
+            for j, h in enumerate(kv_heads_of_rank(r, tp, nkv, kv_layout)):
                 out[h * hd:(h + 1) * hd] = t[j * hd:(j + 1) * hd]
         full.append(out)
-    return [torch.cat(q_parts, dim=0), *full]
+    owner = rank_of_query_block(tp, nkv, kv_layout)
+    return [torch.cat([q_parts[owner[b]] for b in range(tp)], dim=0), *full]
 
 
 def merge_tp_shards(model: LlamaForCausalLM, shards: list[dict[str, torch.Tensor]],
-                    where: str = "checkpoint") -> dict[str, torch.Tensor]:
+                    where: str = "checkpoint", kv_layout: str = INTERLEAVED) -> dict[str, torch.Tensor]:
     """Full HF-named tensors from the TP shards of a run with another TP size (offline; no collective).
 
     The inverse of this rank's loader for any TP size: column shards are concatenated along rows, row shards along
@@ -119,6 +125,8 @@ def merge_tp_shards(model: LlamaForCausalLM, shards: list[dict[str, torch.Tensor
             ``len(shards)`` is the saved TP size. An entry whose tensors are not all present is skipped (e.g.
             frozen parameters without optimizer state).
         where: what the shards came from, for error messages.
+        kv_layout: the KV-replica layout the shards were saved with (:mod:`nxd_lc.distributed.kv_layout`): where
+            the saved run's q / k / v heads and the attention output projection's input columns were.
 
     Returns:
         HF name -> full tensor (dtype of the shards).
@@ -135,7 +143,10 @@ def merge_tp_shards(model: LlamaForCausalLM, shards: list[dict[str, torch.Tensor
         firsts = [parts[0] for parts in locals_]
         if e.kind == "qkv":
             assert isinstance(e.module, GQAQKVColumnParallelLinear)
-            merged = _merge_qkv(e.module, locals_, e.module.fuse_qkv, where)
+            merged = _merge_qkv(e.module, locals_, e.module.fuse_qkv, where, kv_layout)
+        elif e.kind == "row" and isinstance(e.module, GQAQKVColumnParallelLinear):  # o_proj: by query block
+            owner = rank_of_query_block(len(shards), e.module.num_key_value_heads, kv_layout)
+            merged = [torch.cat([firsts[owner[b]] for b in range(len(shards))], dim=1)]
         elif e.kind == "replicated":
             merged = [firsts[0]]
         elif e.kind in ("column", "row"):

@@ -127,8 +127,10 @@ class LlamaAttention(nn.Module):
             norm_kw = {"dtype": layer_kw["dtype"], "device": layer_kw["device"]}
             self.q_norm = RMSNorm(hd, opts.norm_eps, sequence_parallel_enabled=tp > 1, **norm_kw)
             self.k_norm = RMSNorm(hd, opts.norm_eps, sequence_parallel_enabled=tp > 1, **norm_kw)
+        # its input columns are this rank's query heads: their block under the KV-replica layout
+        order = self.qkv_proj.output_partition_order() if qkv_linear else None
         self.o_proj = RowParallelLinear(nq * hd, h, bias=opts.o_bias, input_is_parallel=True,
-                                        sequence_parallel_enabled=sp,
+                                        sequence_parallel_enabled=sp, partition_order=order,
                                         **{**kw, "init_method": output_init_method or init_method})
         self.core_attention = CoreAttention(flash_attention=flash_attention, window=opts.window(layer_index),
                                             dropout=opts.attention_dropout)
