@@ -176,3 +176,11 @@ def grads_in_hf_layout(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         for n, p in model.named_parameters():
             p.copy_(saved[n])
     return grads
+
+
+def shard_files(folder: Any) -> list[str]:
+    """The NxD shard files (``dp_rank_XX[_ep_rank_XX]_tp_rank_XX_pp_rank_XX.pt``) in ``folder``, sorted: not their
+    xser ``.tensors`` directories or ``.info.pt`` files."""
+    from nxd_lc.checkpoint.layout import SHARD_RE
+
+    return sorted(n for n in os.listdir(folder) if SHARD_RE.match(n))

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import yaml
-from dist_utils import run_distributed
+from dist_utils import run_distributed, shard_files
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
@@ -370,7 +370,7 @@ def test_full_state_to_tp2_pp2_checkpoint_and_back_is_bit_exact(tmp_path: Path, 
     HFLlama(LlamaConfig(**_model_json())).save_pretrained(str(tmp_path / "hf"))
     run_distributed(_round_trip_worker, 2, str(tmp_path), xser)
     ck = tmp_path / "ck" / "step=0"
-    names = sorted(n for n in os.listdir(ck / "model") if n.endswith(".pt") and not n.endswith(".info.pt"))
+    names = shard_files(ck / "model")
     assert names == [sharded.checkpoint_file_name(0, t, p) for t in (0, 1) for p in (0, 1)]
     assert any(n.endswith(".tensors") for n in os.listdir(ck / "model")) == xser  # --save_xser is obeyed
     stage0 = sharded.load_checkpoint(str(tmp_path / "ck"), "step=0", dp_rank=0, tp_rank=0, pp_rank=0,

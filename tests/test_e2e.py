@@ -14,6 +14,7 @@ import sysconfig
 import launch
 import pytest
 import torch
+from dist_utils import shard_files
 
 from nxd_lc.checkpoint import sharded
 
@@ -129,6 +130,7 @@ def test_torchrun_context_parallel_with_memory_techniques(tmp_path) -> None:
     assert "activation checkpointing (full): 4 modules" in out.stdout
     tag = os.path.join(log_dir, "checkpoints", "cpu_tiny_llama--step=2-consumed_samples=8.0")
     assert sorted(os.listdir(os.path.join(tag, "model"))) == ["dp_rank_00_tp_rank_00_pp_rank_00.pt",
+                                                             "dp_rank_00_tp_rank_00_pp_rank_00.pt.info.pt",
                                                              "dp_rank_00_tp_rank_00_pp_rank_00.pt.tensors"]
 
 
@@ -147,7 +149,7 @@ def test_torchrun_zero1_mixed_precision_sr_checkpoint_resume(tmp_path) -> None:
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "precision mixed_precisionSR: params bf16" in first.stdout  # NxDT's other spelling, canonical name
     tag = os.path.join(log_dir, "checkpoints", "cpu_tiny_llama--step=2-consumed_samples=8.0")
-    optim = sorted(f for f in os.listdir(os.path.join(tag, "optim")) if f.endswith(".pt"))
+    optim = shard_files(os.path.join(tag, "optim"))
     assert optim == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
     model_state, _, _ = sharded.load_checkpoint(os.path.dirname(tag), os.path.basename(tag), dp_rank=0, tp_rank=0,
                                                 pp_rank=0, load_optim=False)

@@ -23,10 +23,10 @@ def _cfg(**exp: object) -> NxdConfig:
     return OmegaConf.to_object(base)  # type: ignore[return-value]
 
 
-def _save(root: str, tag: str, step: int) -> str:
-    sharded.save_checkpoint(root, tag, model_state={"w": step}, optim_state=None, user_content={"global_step": step},
-                            dp_rank=0, tp_rank=0, pp_rank=0, is_global_zero=True, write_model=True,
-                            write_optim=False, use_xser=False)
+def _save(root: str, tag: str, step: int, optim: bool = False) -> str:
+    sharded.save_checkpoint(root, tag, model_state={"w": step}, optim_state={"o": step} if optim else None,
+                            user_content={"global_step": step}, dp_rank=0, tp_rank=0, pp_rank=0, is_global_zero=True,
+                            write_model=True, write_optim=optim, use_xser=False)
     return os.path.join(root, tag)
 
 
@@ -62,7 +62,11 @@ def test_resume_plan_errors_and_explicit(tmp_path) -> None:
     bad = _cfg(explicit_log_dir=str(tmp_path / "b"), resume_from_checkpoint=str(incomplete))
     with pytest.raises(ConfigError, match="exp_manager.resume_from_checkpoint: .* not a complete checkpoint"):
         exp_manager.resume_plan(bad, exp_manager.experiment_paths(bad))
-    good = _save(str(tmp_path / "ck"), "step=3", 3)
+    weights = _save(str(tmp_path / "ck"), "step=2", 2)  # no optimizer state: a full resume cannot use it
+    cfg = _cfg(explicit_log_dir=str(tmp_path / "c"), resume_from_checkpoint=weights)
+    with pytest.raises(ConfigError, match="holds model weights only .* model.weight_init_only: true"):
+        exp_manager.resume_plan(cfg, exp_manager.experiment_paths(cfg))
+    good = _save(str(tmp_path / "ck"), "step=3", 3, optim=True)
     cfg = _cfg(explicit_log_dir=str(tmp_path / "c"), resume_from_checkpoint=good)
     assert exp_manager.resume_plan(cfg, exp_manager.experiment_paths(cfg)) == (good, None)
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, shard_files
 from torch import nn
 
 from nxd_lc.app.validation import load_config
@@ -247,10 +247,10 @@ def test_tiny_mixtral_config_trains_at_ep2_and_resumes(tmp_path: Path) -> None:
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     assert "step 2/2 | loss" in first.stdout + first.stderr
     tag = log_dir / "checkpoints" / "cpu_tiny_mixtral--step=2-consumed_samples=8.0"
-    model_files = sorted(f for f in os.listdir(tag / "model") if f.endswith(".pt"))
+    model_files = shard_files(tag / "model")
     assert model_files == ["dp_rank_00_ep_rank_00_tp_rank_00_pp_rank_00.pt",
                            "dp_rank_00_ep_rank_01_tp_rank_00_pp_rank_00.pt"]
-    optim_files = sorted(f for f in os.listdir(tag / "optim") if f.endswith(".pt"))
+    optim_files = shard_files(tag / "optim")
     assert optim_files == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
     states = [sharded.load_checkpoint(str(tag.parent), tag.name, dp_rank=0, tp_rank=0, pp_rank=0, ep_rank=e,
                                       load_optim=False)[0] for e in (0, 1)]

@@ -33,6 +33,7 @@ import launch
 import pytest
 import torch
 import yaml
+from dist_utils import shard_files
 from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -307,7 +308,7 @@ def test_nxdt_config_trains_shrunk(source: str, path: Path, files: dict[str, Pat
     ckpts = [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.is_dir()]
     assert len(ckpts) == 1 and (ckpts[0] / "done").is_file(), ckpts
     tp, pp, _ = _layout(tree)
-    shards = sorted(p.name for p in (ckpts[0] / "model").iterdir() if p.suffix == ".pt")
+    shards = shard_files(ckpts[0] / "model")
     assert shards == [f"dp_rank_00_tp_rank_{t:02d}_pp_rank_{p:02d}.pt" for t in range(tp) for p in range(pp)], shards
 
 

@@ -16,6 +16,7 @@ import sys
 import launch
 import pytest
 import torch
+from dist_utils import shard_files
 from safetensors.torch import load_file
 from test_e2e import REPO, _run, _small_corpus, _train_cmd
 
@@ -71,7 +72,7 @@ def test_pp2_trains_as_pp1_checkpoints_resumes_and_converts(tmp_path) -> None:
     tag = "cpu_tiny_llama--step=4-consumed_samples=16.0"
     last = os.path.join(pp2_dir, "checkpoints", tag)
     for sub in ("model", "optim"):
-        names = sorted(f for f in os.listdir(os.path.join(last, sub)) if f.endswith(".pt"))
+        names = shard_files(os.path.join(last, sub))
         assert names == ["dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_01.pt"], names
     # the converter gathers both stages: the same HF weights as the PP=1 checkpoint of the same step
     ours = _convert(PP_FP32 + ["distributed_strategy.pipeline_model_parallel_size=2"], last,
@@ -104,5 +105,5 @@ def test_pp2_dp2_zero1_mixed_precision_memory_techniques_match_pp1(tmp_path) -> 
     for step in (1, 2):  # bf16 parameters: equal within bf16 rounding of the recomputed activations
         assert pp2[0][step] == pytest.approx(pp1[0][step], rel=2e-3), (step, pp2[0][step], pp1[0][step])
     tag = os.path.join(str(tmp_path / "pp2"), "checkpoints", "cpu_tiny_llama--step=2-consumed_samples=8.0")
-    optim = sorted(f for f in os.listdir(os.path.join(tag, "optim")) if f.endswith(".pt"))
+    optim = shard_files(os.path.join(tag, "optim"))
     assert optim == [f"dp_rank_{d:02d}_tp_rank_00_pp_rank_{p:02d}.pt" for d in (0, 1) for p in (0, 1)], optim

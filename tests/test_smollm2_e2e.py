@@ -12,6 +12,7 @@ from pathlib import Path
 
 import launch
 import pytest
+from dist_utils import shard_files
 
 pytest.importorskip("gguf", reason="the SmolLM2 path needs the gguf package (dev extra)")
 
@@ -109,5 +110,5 @@ def test_smollm2_sft_lora_with_pipeline_parallelism(tmp_path: Path) -> None:
     assert {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
             "model.layers.1.mlp.down_proj.weight", "model.norm.weight"} <= set(merged)
     tag = next(p for p in (log / "checkpoints").iterdir() if p.is_dir())
-    assert sorted(p.name for p in (tag / "model").iterdir() if p.suffix == ".pt") == [
+    assert shard_files(tag / "model") == [
         "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_00_tp_rank_00_pp_rank_01.pt"]

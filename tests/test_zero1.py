@@ -8,7 +8,7 @@ import os
 
 import pytest
 import torch
-from dist_utils import run_distributed
+from dist_utils import run_distributed, shard_files
 from transformers import LlamaConfig
 
 from nxd_lc.checkpoint import sharded
@@ -98,7 +98,7 @@ def _resume_worker(rank: int, world: int, root: str) -> None:
     sharded.save_checkpoint(root, "step=2", model_state=module.state_dict(), optim_state=opt.state_dict(),
                             user_content={"global_step": 2}, is_global_zero=rank == 0, write_model=dp == 0,
                             write_optim=True, use_xser=True, dp_rank=dp, tp_rank=0, pp_rank=0)
-    assert sorted(f for f in os.listdir(os.path.join(root, "step=2", "optim")) if f.endswith(".pt")) == [
+    assert shard_files(os.path.join(root, "step=2", "optim")) == [
         "dp_rank_00_tp_rank_00_pp_rank_00.pt", "dp_rank_01_tp_rank_00_pp_rank_00.pt"]
 
     fresh, fresh_opt = _module("mixed_precisionSR", zero1=True, seed=7)

@@ -209,6 +209,11 @@ def check_lists_folder(tag_dir: str, manifest: Mapping[str, Any], folder: str) -
                                              f"incomplete, so the checkpoint cannot be verified")
 
 
+def mark_warned_unverified(tag_dir: str) -> None:
+    """Count ``tag_dir`` as warned about already (a caller's own warning said it is loaded unverified)."""
+    _warned_unverified.add(tag_dir)
+
+
 def warn_unverified(tag_dir: str) -> None:
     """Warn once per process that ``tag_dir`` (no manifest: older nxd_lc or NxD) is loaded unverified."""
     if tag_dir not in _warned_unverified:

@@ -195,6 +195,7 @@ def warn_unmarked(tag_dir: str) -> None:
     """Warn once per process that ``tag_dir`` (:func:`is_unmarked_nxd_checkpoint`) is loaded without markers."""
     if tag_dir not in _warned_unmarked:
         _warned_unmarked.add(tag_dir)
+        integrity.mark_warned_unverified(tag_dir)  # this is the one warning: no second one for the manifest
         warnings.warn(f"checkpoint {tag_dir!r} has no '{DONE_FILE}' marker and no manifest (NxD's converter writes "
                       f"neither): loading it as named, unverified; its shards must all be there", stacklevel=3)
 

@@ -114,7 +114,7 @@ def reshard_reason(model: Any, tag_dir: str, saved: SavedLayout, use_xser: bool 
     other layers for this rank's stage: NxD's default split puts extra layers on the last stages, nxd_lc before
     this version on the middle ones); with replicated KV heads another KV-replica layout
     (:func:`nxd_lc.checkpoint.nxd_format.checkpoint_kv_layout`). Local: reads file names and, at PP > 1, the
-    key names of TP rank 0's shards.
+    key names of TP rank 0's shards. ``model`` None (no model to compare with): the sizes only.
     """
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.distributed.kv_layout import replication
@@ -122,6 +122,8 @@ def reshard_reason(model: Any, tag_dir: str, saved: SavedLayout, use_xser: bool 
     tp, pp = ps.get_tensor_model_parallel_world_size(), ps.get_pipeline_model_parallel_world_size()
     if (saved.tp, saved.pp) != (tp, pp):
         return f"saved with TP {saved.tp} x PP {saved.pp}, this run has TP {tp} x PP {pp}"
+    if model is None:
+        return None
     if pp > 1:
         split = stage_layers(tag_dir, pp, detect_xser(tag_dir, use_xser))
         held, mine = split[ps.get_pipeline_model_parallel_rank()], sorted(i for i, _ in model.local_layers())

@@ -280,8 +280,8 @@ class NxDStrategy(DDPStrategy):
         at another TP or PP size; saved with ZeRO-1 over another number of DP x CP ranks)."""
         saved = reshard.saved_layout(tag_dir)
         ep = ps.get_expert_model_parallel_world_size()
-        assert self.lightning_module is not None
-        reason = reshard.reshard_reason(self.lightning_module.model, tag_dir, saved, self.load_xser)
+        model = getattr(self.lightning_module, "model", None)
+        reason = reshard.reshard_reason(model, tag_dir, saved, self.load_xser)
         if saved.ep != ep:
             raise ValueError(f"checkpoint {tag_dir} was saved with expert_model_parallel_size {saved.ep} but this run "
                              f"uses {ep}: re-sharding experts over another EP size is not supported yet; resume "
@@ -295,7 +295,7 @@ class NxDStrategy(DDPStrategy):
         if ep > 1 and (model_moves or optim_moves):
             raise ValueError(f"checkpoint {tag_dir} was saved at another layout ({why}); re-sharding checkpoints "
                              "with expert parallelism is not supported yet: resume at the saved sizes, "
-                             "model.pipeline_cuts and distributed_strategy.zero1")
+                             "distributed_strategy.zero1 and model.pipeline_cuts")
         if self.lora_only and (model_moves or optim_moves):
             raise ValueError(f"checkpoint {tag_dir} holds LoRA adapters only and was saved at another layout "
                              f"({why}); re-sharding adapter checkpoints is not supported: resume at the saved "
