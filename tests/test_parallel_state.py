@@ -164,3 +164,25 @@ def _collectives_worker(rank: int, world_size: int) -> None:
 @pytest.mark.distributed
 def test_collectives_gloo_two_processes() -> None:
     run_distributed(_collectives_worker, 2)
+
+
+def test_kv_replica_layout_auto_is_chosen_as_nxd_chooses(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NxD picks the layout by the hardware (``hardware(get_platform_target())``, TRN1 by default): the platform
+    torch-neuronx reports wins; else the native device and a logical NeuronCore size of 2 (NxDT's trn2 files) mean
+    Trn2; else Trn1."""
+    from nxd_lc.context import nki
+
+    resolve = nki.resolve_kv_replica_layout
+    monkeypatch.setattr(nki, "neuron_platform", lambda: None)
+    assert resolve("auto", "cpu", None) == "interleaved"
+    assert resolve("auto", "xla", 1) == "interleaved"
+    assert resolve("auto", "xla", 2) == "adjacent"
+    assert resolve("auto", "neuron_native", None) == "adjacent"
+    assert resolve("adjacent", "cpu", None) == "adjacent"
+    assert resolve("interleaved", "neuron_native", 2) == "interleaved"
+    for platform, layout in (("trn1", "interleaved"), ("trn2", "adjacent"), ("trn3", "adjacent")):
+        monkeypatch.setattr(nki, "neuron_platform", lambda p=platform: p)
+        assert resolve("auto", "xla", 2 if platform != "trn1" else 1) == layout
+        assert resolve("auto", "cpu", None) == layout  # the platform wins over the rest
+    with pytest.raises(ValueError, match="distributed_strategy.kv_replica_layout"):
+        resolve("trn1", "cpu", None)

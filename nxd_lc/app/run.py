@@ -52,7 +52,7 @@ def dry_run(cfg: NxdConfig) -> str:
     lines = ["# nxd_lc dry run: config is valid", OmegaConf.to_yaml(OmegaConf.structured(asdict(cfg))),
              f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
-             f" seq_length {seq_length(cfg)}",
+             f" seq_length {seq_length(cfg)}", *_kv_layout_note(cfg),
              f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in _device_precision(cfg, env)),
              *(f"# {line}" for line in memory_report(cfg)), *_compile_note(cfg),
              "# environment it would set (variables already set in the environment win):", table]
@@ -62,6 +62,17 @@ def dry_run(cfg: NxdConfig) -> str:
         lines.append("# launching this config would stop with:")
         lines += [f"#   - {p}" for p in problems]
     return "\n".join(lines)
+
+
+def _kv_layout_note(cfg: NxdConfig) -> list[str]:
+    """The dry run's line on where KV replicas would live (``kv_replicator`` > 1 only), judged on this host as the
+    launch judges it (:func:`nxd_lc.app.build.run_kv_layout`)."""
+    ds = cfg.distributed_strategy
+    if ds.kv_replicator <= 1:
+        return []
+    return [f"# KV replicas (kv_replicator {ds.kv_replicator}) laid out {run_kv_layout(cfg)} "
+            f"(distributed_strategy.kv_replica_layout: {ds.kv_replica_layout}; interleaved is NxD's Trn1 layout, "
+            "adjacent its Trn2 / Trn3 one)"]
 
 
 def _compile_note(cfg: NxdConfig) -> list[str]:
