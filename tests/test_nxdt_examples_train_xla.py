@@ -58,6 +58,7 @@ import pytest
 pytest.importorskip("torch_xla")
 
 import yaml  # noqa: E402
+from dist_utils import shard_files  # noqa: E402
 from hydra import compose, initialize_config_dir  # noqa: E402
 from test_nxdt_examples import _configs, _get, _has, _megatron_files, shrink_overrides  # noqa: E402
 from xla_testbed import run_on_xla_devices  # noqa: E402
@@ -400,7 +401,7 @@ def _check_checkpoint(run_dir: Path, layout: Layout) -> None:
     (ckpts,) = list(run_dir.rglob("checkpoints"))
     (tag,) = [p for p in ckpts.iterdir() if p.is_dir() and "step=2" in p.name]
     assert (tag / "done").is_file(), sorted(p.name for p in tag.iterdir())
-    shards = sorted(p.name for p in (tag / "model").iterdir() if p.suffix == ".pt")
+    shards = shard_files(tag / "model")
     assert len(shards) == layout.tp * layout.pp * layout.ep, shards
 
 
