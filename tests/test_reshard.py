@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 from transformers import LlamaForCausalLM as HFLlama
 
-from nxd_lc.checkpoint import reshard, sharded
+from nxd_lc.checkpoint import nxd_format, reshard, sharded
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.models.llama import LlamaForCausalLM, load_hf_weights
@@ -33,8 +33,10 @@ pytestmark = pytest.mark.compat  # torch-2.9 compatibility subset (lane 2; docs/
 
 C, LR, B1, B2, EPS = 0.5, 1e-2, 0.9, 0.95, 1e-8
 LAYERS = 4
-# (TP, PP, kv_replicator, zero1) of the four loads, in order; world size 4 (DP = 4 / (TP * PP))
-LAYOUTS = [(2, 1, 1, True), (4, 1, 2, False), (1, 2, 1, True), (2, 1, 1, True)]
+# (TP, PP, kv_replicator, zero1, KV-replica layout) of the start and the four loads, in order; world size 4
+# (DP = 4 / (TP * PP)); TP 4 -> TP 4 converts NxD's Trn1 layout of the replicas into its Trn2 one
+LAYOUTS = [(2, 1, 1, True, "interleaved"), (4, 1, 2, False, "interleaved"), (4, 1, 2, False, "adjacent"),
+           (1, 2, 1, True, "interleaved"), (2, 1, 1, True, "interleaved")]
 
 
 def _hf_config(tied: bool) -> LlamaConfig:
@@ -71,9 +73,10 @@ def _cfg(zero1: bool) -> NxdConfig:
     return cfg
 
 
-def _build(tied: bool, layout: tuple[int, int, int, bool], weights: str | None) -> tuple[LlamaForCausalLM, Any]:
-    tp, pp, kv, zero1 = layout
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, kv_replicator=kv)
+def _build(tied: bool, layout: tuple[int, int, int, bool, str], weights: str | None) -> tuple[LlamaForCausalLM, Any]:
+    tp, pp, kv, zero1, kv_layout = layout
+    ps.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, kv_replicator=kv,
+                                 kv_replica_layout=kv_layout)
     part = rank_model_part(LAYERS, pp, ps.get_pipeline_model_parallel_rank()) if pp > 1 else {}
     torch.manual_seed(1234)  # fresh weights unlike W0: a load that skips a tensor is caught
     model = LlamaForCausalLM(_hf_config(tied), kv_replicator=kv, **part)
@@ -86,7 +89,7 @@ def _build(tied: bool, layout: tuple[int, int, int, bool], weights: str | None) 
     return model, opt
 
 
-def _expected(tied: bool, layout: tuple[int, int, int, bool], root: str) -> dict[str, dict[str, torch.Tensor]]:
+def _expected(tied: bool, layout: tuple[int, int, int, bool, str], root: str) -> dict[str, dict[str, torch.Tensor]]:
     """Per reference (w1, m, v): parameter name -> this rank's slice, through the HF loader at this layout."""
     out = {}
     for ref in ("w1", "m", "v"):
@@ -167,9 +170,11 @@ def _worker(rank: int, world: int, root: str, tied: bool) -> None:
 def test_reshard_chain_matches_closed_form_adamw_step(tmp_path: Any, tied: bool) -> None:
     _write_references(str(tmp_path), tied)
     run_distributed(_worker, 4, str(tmp_path), tied)
-    assert reshard.saved_layout(str(tmp_path / "ckpt" / "hop3")) == reshard.SavedLayout(tp=2, pp=1, optim_dp=2)
-    assert reshard.saved_layout(str(tmp_path / "ckpt" / "hop2")) == reshard.SavedLayout(tp=1, pp=2, optim_dp=2)
-    assert reshard.saved_layout(str(tmp_path / "ckpt" / "hop1")) == reshard.SavedLayout(tp=4, pp=1, optim_dp=1)
+    assert reshard.saved_layout(str(tmp_path / "ckpt" / "hop4")) == reshard.SavedLayout(tp=2, pp=1, optim_dp=2)
+    assert reshard.saved_layout(str(tmp_path / "ckpt" / "hop3")) == reshard.SavedLayout(tp=1, pp=2, optim_dp=2)
+    for hop, kv_layout in (("hop2", "adjacent"), ("hop1", "interleaved")):
+        assert reshard.saved_layout(str(tmp_path / "ckpt" / hop)) == reshard.SavedLayout(tp=4, pp=1, optim_dp=1)
+        assert nxd_format.checkpoint_kv_layout(str(tmp_path / "ckpt" / hop))[0] == kv_layout
 
 
 def _losses_of(out: Any, log_dir: str) -> dict[int, float]:
