@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from nxd_lc.checkpoint import sharded
+from nxd_lc.checkpoint.nxd_format import MODEL_PREFIX, key_mismatch_message
 from nxd_lc.checkpoint.reshard import saved_layout
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.layers.lora import load_lora_state_dict
@@ -25,7 +26,6 @@ from nxd_lc.layers.lora import load_lora_state_dict
 log = logging.getLogger("nxd_lc.checkpoint.convert")
 
 
-MODEL_PREFIX = "model."  # the LightningModule holds the decoder as ``self.model``
 
 
 PROVENANCE_FILE = "nxd_lc_conversion.json"
@@ -142,9 +142,7 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
         else:
             model.load_state_dict(local, strict=True)
     except (RuntimeError, ValueError) as e:
-        raise ValueError(f"checkpoint {os.path.join(ckpt_root, tag)} does not match the model of the config "
-                         f"(model.model_config, hf_config_overrides, fuse_qkv, qkv_linear, kv_replicator must "
-                         f"be those of the run that saved it): {e}") from e
+        raise ValueError(key_mismatch_message(os.path.join(ckpt_root, tag), model.state_dict(), local, e)) from e
 
 
 def check_output(output: str, overwrite: bool) -> None:

@@ -41,11 +41,10 @@ import torch.nn.functional as F
 from nxd_lc.checkpoint import sharded
 from nxd_lc.checkpoint.layout import ranks_found
 from nxd_lc.checkpoint.load import detect_xser, read_shard
-from nxd_lc.checkpoint.nxd_format import checkpoint_kv_layout, from_nxd_names, stage_layers
+from nxd_lc.checkpoint.nxd_format import MODEL_PREFIX, checkpoint_kv_layout, from_nxd_names, stage_layers
 
 log = logging.getLogger(__name__)
 
-MODEL_PREFIX = "model."
 _MASTER = "__master_weight__"
 _TIED = {"lm_head.weight": "embed_tokens.weight", "embed_tokens.weight": "lm_head.weight"}
 

@@ -277,7 +277,8 @@ class NxDStrategy(DDPStrategy):
 
     def _layout_changes(self, tag_dir: str) -> tuple[bool, bool]:
         """Whether the model shards / the optimizer shards of ``tag_dir`` must be re-sharded for this run (saved
-        at another TP or PP size; saved with ZeRO-1 over another number of DP x CP ranks)."""
+        at another TP or PP size, pipeline split or KV-replica layout: :func:`nxd_lc.checkpoint.reshard.reshard_reason`;
+        saved with ZeRO-1 over another number of DP x CP ranks)."""
         saved = reshard.saved_layout(tag_dir)
         ep = ps.get_expert_model_parallel_world_size()
         model = getattr(self.lightning_module, "model", None)
