@@ -49,7 +49,7 @@ def test_resume_plan_picks_newest_complete_and_ignores_partial(tmp_path, caplog)
     with caplog.at_level(logging.WARNING, logger="nxd_lc.lightning.exp_manager"):
         exp_manager.cleanup_interrupted_saves(paths, is_global_zero=True)
     assert sorted(os.listdir(paths.checkpoint_dir)) == ["newest", "step=2", "step=4", "step=5"]  # kept
-    assert "step=5 has no 'done' marker: it is not a complete checkpoint and is ignored" in caplog.text
+    assert "step=5 has no 'done' marker: it is never picked as the newest checkpoint" in caplog.text
     assert exp_manager.resume_plan(cfg, paths) == (newest, None)
 
 

@@ -144,9 +144,9 @@ def cleanup_interrupted_saves(paths: ExpPaths, is_global_zero: bool) -> None:
                 log.warning("removed %s: an unfinished nxd_lc checkpoint save (per-rank checksum lists in %s/, no "
                             "'%s' marker)", path, integrity.RANK_MANIFEST_DIR, sharded.DONE_FILE)
             else:
-                log.warning("%s has no '%s' marker: it is not a complete checkpoint and is ignored (delete it, or "
-                            "create the empty file %s if it is a complete checkpoint written by NxD)", path,
-                            sharded.DONE_FILE, os.path.join(path, sharded.DONE_FILE))
+                log.warning("%s has no '%s' marker: it is never picked as the newest checkpoint (delete it; if NxD "
+                            "wrote it, its converter writes no marker: name it in exp_manager.resume_from_checkpoint,"
+                            " which loads it with a warning)", path, sharded.DONE_FILE)
     collectives.barrier()
 
 
