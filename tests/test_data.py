@@ -279,14 +279,50 @@ def test_sampler_resume_is_exact_continuation(k):
         assert resumed == full[r][k // (mb * dp):]
 
 
+def test_validation_sampler_rewinds_every_pass_training_sampler_continues():
+    """A pass cut short (``limit_val_batches``) and the next pass: validation reads the same first batches again;
+    training continues after the last batch it yielded."""
+    def first(sampler: PretrainingSampler, n: int) -> list[list[int]]:
+        out = []
+        for batch in sampler:
+            out.append(batch)
+            if len(out) == n:
+                return out
+        return out
+
+    val = PretrainingSampler(20, 0, 2, 1, 2, seed=0, shuffle=False, rewind=True)
+    passes = [first(val, 2) for _ in range(3)]
+    assert passes == [[[2, 3], [6, 7]]] * 3
+    train = PretrainingSampler(20, 0, 2, 1, 2, seed=0, shuffle=False)
+    assert [first(train, 2) for _ in range(2)] == [[[2, 3], [6, 7]], [[10, 11], [14, 15]]]
+
+
 # ---- data module --------------------------------------------------------------------------------------------
-def _dm(tmp_path, rank: int = 0, dp: int = 1, mb: int = 2, **data_kw) -> PretrainingDataModule:
+def _dm(tmp_path, rank: int = 0, dp: int = 1, mb: int = 2, val_fraction: float = 0.2,
+        **data_kw) -> PretrainingDataModule:
     cfg = DataConfig(micro_batch_size=mb, global_batch_size=4 * dp, train_dir=str(tmp_path / "corpus"),
-                     val_fraction=0.2, tokenizer=_bpe_cfg(str(tmp_path / "cache")), **data_kw)
+                     val_fraction=val_fraction, tokenizer=_bpe_cfg(str(tmp_path / "cache")), **data_kw)
     dm = PretrainingDataModule(cfg, seq_length=16, seed=5, model_vocab_size=320, data_parallel_rank=rank,
                                data_parallel_size=dp, global_batch_size=4 * dp)
     dm.setup("fit")
     return dm
+
+
+def test_validation_passes_read_the_same_batches(tmp_path):
+    """Lightning keeps one validation loader over the run and stops each pass at ``limit_val_batches``: every pass
+    must start at the first held-out sample (a fixed validation set), not where the previous pass stopped."""
+    _text_corpus(str(tmp_path / "corpus"), n=40)
+    dm = _dm(tmp_path, val_fraction=0.5)
+    loader = dm.val_dataloader()
+    assert len(loader) >= 4  # more batches than one cut-short pass reads
+
+    def cut_short_pass() -> list[torch.Tensor]:
+        return [b["input_ids"] for _, b in zip(range(2), loader)]
+
+    first, second = cut_short_pass(), cut_short_pass()
+    assert all(torch.equal(a, b) for a, b in zip(first, second)) and len(first) == 2
+    later = [b["input_ids"] for b in loader][2:3]
+    assert not torch.equal(later[0], first[0])  # the set has other batches: the test could tell them apart
 
 
 def test_datamodule_batches_and_state_dict_round_trip(tmp_path):

@@ -158,3 +158,56 @@ def test_torchrun_zero1_mixed_precision_sr_checkpoint_resume(tmp_path) -> None:
     second = _run(_train_cmd(log_dir, corpus, cache, max_steps=4) + extra)
     assert second.returncode == 0, second.stdout[-4000:] + second.stderr[-4000:]
     assert f"resuming from {tag}" in second.stdout
+
+
+def _val_losses(log_dir: str) -> dict[int, float]:
+    """``val_loss`` by TensorBoard step, every launch's event file of ``log_dir`` merged."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    out: dict[int, float] = {}
+    for f in sorted(glob.glob(os.path.join(log_dir, "tensorboard", "events.out.tfevents.*")), key=os.path.getmtime):
+        acc = EventAccumulator(f)
+        acc.Reload()
+        if "val_loss" in acc.Tags()["scalars"]:
+            out.update({e.step: e.value for e in acc.Scalars("val_loss")})
+    return out
+
+
+def _with(cmd: list[str], **overrides: object) -> list[str]:
+    """``cmd`` with the Hydra overrides of the given keys (dots as ``__``) replaced or added."""
+    keys = {k.replace("__", "."): v for k, v in overrides.items()}
+    kept = [a for a in cmd if a.split("=", 1)[0].lstrip("+~") not in keys]
+    return kept + [f"{k}={v}" for k, v in keys.items()]
+
+
+@pytest.mark.lane1_only  # three train.py launches; the sampler's rewind is unit-tested in test_data.py
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_validation_reads_a_fixed_set_every_pass_and_after_resume(tmp_path) -> None:
+    """Validation is cut short by ``limit_val_batches`` (2 of the held-out set's batches): with the weights frozen
+    (lr 0) every pass gives the same loss; a run resumed from its step-2 checkpoint validates at step 4 as the
+    uninterrupted run does (before: each pass continued where the previous stopped, resumed runs restarted)."""
+    corpus, cache = _small_corpus(str(tmp_path)), str(tmp_path / "cache")
+    frozen_dir = str(tmp_path / "frozen")
+    base = _with(_train_cmd(frozen_dir, corpus, cache, max_steps=4), data__val_fraction=0.3,
+                 trainer__val_check_interval=1)
+    out = _run(_with(base, model__optim__lr=0.0, model__optim__sched__min_lr=0.0,
+                     exp_manager__create_checkpoint_callback="false"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    frozen = _val_losses(frozen_dir)
+    assert len(frozen) == 4, frozen
+    values = list(frozen.values())
+    assert max(values) - min(values) <= 1e-6, frozen
+    full_dir, resumed_dir = str(tmp_path / "full"), str(tmp_path / "resumed")
+    trained = _with(base, trainer__val_check_interval=2)
+    out = _run(_with(trained, exp_manager__explicit_log_dir=full_dir))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    ckpt = os.path.join(full_dir, "checkpoints", "cpu_tiny_llama--step=2-consumed_samples=8.0")
+    out = _run(_with(trained, exp_manager__explicit_log_dir=resumed_dir,
+                     exp_manager__resume_from_checkpoint=f"'{ckpt}'"))
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
+    full, resumed = _val_losses(full_dir), _val_losses(resumed_dir)
+    assert len(full) == 2 and len(resumed) == 1, (full, resumed)
+    last = max(full)
+    assert resumed[last] == pytest.approx(full[last], rel=1e-5, abs=0), (full, resumed)
+    assert full[min(full)] != pytest.approx(full[last], rel=1e-3)  # the weights moved: the check can tell

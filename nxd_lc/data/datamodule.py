@@ -358,7 +358,9 @@ class PretrainingDataModule(pl.LightningDataModule):
         return self._loader(self.train_dataset, sampler)
 
     def val_dataloader(self) -> DataLoader | list:
-        """One sequential pass over the held-out samples, each DP rank its own slice ([] without validation)."""
+        """One sequential pass over the held-out samples, each DP rank its own slice ([] without validation). Every
+        validation pass starts at the first held-out sample, also after a resume, so ``trainer.limit_val_batches``
+        reads the same batches each time (a fixed validation set, as NeMo / Megatron)."""
         if self.val_dataset is None:
             return []
         dataset: Any = self.val_dataset
@@ -368,8 +370,8 @@ class PretrainingDataModule(pl.LightningDataModule):
             step = self.cfg.micro_batch_size * self.data_parallel_size
             multiple = self.global_batch_size if self.cfg.pad_samples_to_global_batch_size else step
             dataset = PaddedDataset(dataset, padded_length(len(dataset), multiple), len(dataset[0]))
-        sampler = PretrainingSampler(len(dataset), 0, self.cfg.micro_batch_size,
-                                     self.data_parallel_rank, self.data_parallel_size, self.seed, shuffle=False)
+        sampler = PretrainingSampler(len(dataset), 0, self.cfg.micro_batch_size, self.data_parallel_rank,
+                                     self.data_parallel_size, self.seed, shuffle=False, rewind=True)
         return self._loader(dataset, sampler)
 
     def collate_fn(self) -> Callable[[list[np.ndarray]], dict[str, torch.Tensor]]:

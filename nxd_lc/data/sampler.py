@@ -41,6 +41,9 @@ class PretrainingSampler:
         seed: base seed; epoch e is shuffled with ``seed + e``.
         shuffle: False = sequential order every epoch.
         global_batch_size: optional; epochs are trimmed to a multiple of it (default ``M * D``).
+        rewind: every ``__iter__`` starts again at the given ``consumed_samples`` (a validation set: each pass reads
+            the same batches, however far the previous pass got, as NeMo / Megatron validate on a fixed set); False
+            (training): a later ``__iter__`` continues where the previous one stopped.
     Yields:
         ``list[int]`` of length M.
     Raises:
@@ -52,7 +55,7 @@ class PretrainingSampler:
 
     def __init__(self, total_samples: int, consumed_samples: int, micro_batch_size: int,
                  data_parallel_rank: int, data_parallel_size: int, seed: int, shuffle: bool = True,
-                 global_batch_size: int | None = None) -> None:
+                 global_batch_size: int | None = None, rewind: bool = False) -> None:
         if micro_batch_size < 1 or data_parallel_size < 1:
             raise ValueError(f"micro_batch_size ({micro_batch_size}) and data_parallel_size "
                              f"({data_parallel_size}) must be >= 1")
@@ -76,6 +79,7 @@ class PretrainingSampler:
                              f"micro_batch_size x DP = {self.step_size}")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
+        self.rewind_to = consumed_samples if rewind else None
         self.micro_batch_size = micro_batch_size
         self.data_parallel_rank = data_parallel_rank
         self.data_parallel_size = data_parallel_size
@@ -107,8 +111,10 @@ class PretrainingSampler:
         """Yield this rank's micro-batches from ``consumed_samples`` to the end of its epoch.
 
         ``consumed_samples`` advances by ``M * D`` as each batch is yielded, so a later ``__iter__`` continues
-        with the next epoch.
+        where this one stopped (with the next epoch after a whole one), unless the sampler rewinds.
         """
+        if self.rewind_to is not None:
+            self.consumed_samples = self.rewind_to
         epoch = self.epoch
         order = self.epoch_order(epoch)
         start = self.consumed_samples - epoch * self.samples_per_epoch
