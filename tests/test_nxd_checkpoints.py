@@ -251,8 +251,8 @@ def _conf(tmp: Path, case: str) -> str:
 def _convert_worker(rank: int, world: int, tmp: str, cases: list[str]) -> None:
     from nxd_lc.cli import convert as convert_cli
 
+    conf = str(Path(tmp) / "conf")  # written by the test before the ranks start (one writer, no torn reads)
     for case in cases:
-        conf = _conf(Path(tmp), case)
         assert convert_cli.main(["--config-name", case, "--config-dir", conf, "--checkpoint", _tag_dir(case),
                                  "--output", os.path.join(tmp, "hf", case), "--save-tokenizer", "false"]) == 0
         collectives.barrier()
@@ -263,6 +263,7 @@ def test_nxd_checkpoints_convert_to_hf_with_transformers_logits(tmp_path: Path, 
     by_tp: dict[int, list[str]] = {}
     for case, (_, _, tp, _, _, _) in CASES.items():
         by_tp.setdefault(tp, []).append(case)
+        _conf(tmp_path, case)
     for tp, cases in sorted(by_tp.items()):
         run_distributed(_convert_worker, tp, str(tmp_path), cases)
     for case in CASES:
@@ -375,7 +376,7 @@ def _write_worker(rank: int, world: int, tmp: str, pp: int, xser: bool) -> None:
     from nxd_lc.cli import convert as convert_cli
 
     case = "gqa_tp4_kv2_fused_xser" if world == 4 else "gqa_tp2_fused_xser"
-    conf = _conf(Path(tmp), case)
+    conf = str(Path(tmp) / "conf")  # written by the test before the ranks start
     k = replication(world, 2)
     out = os.path.join(tmp, f"tp{world}pp{pp}{'x' if xser else 'p'}")
     assert convert_cli.main(["--config-name", case, "--config-dir", conf, "--convert_from_full_state", "true",
@@ -390,6 +391,8 @@ def _write_worker(rank: int, world: int, tmp: str, pp: int, xser: bool) -> None:
 def test_nxd_lc_checkpoints_read_back_with_nxds_format(tmp_path: Path, xser: bool) -> None:
     config = json.loads((REF / "hf" / "gqa" / "config.json").read_text())
     source = load_file(str(REF / "hf" / "gqa" / "model.safetensors"))
+    for case in ("gqa_tp2_fused_xser", "gqa_tp4_kv2_fused_xser"):
+        _conf(tmp_path, case)
     for tp, pp in ((2, 1), (2, 2), (4, 1)):
         run_distributed(_write_worker, tp, str(tmp_path), pp, xser)
         tag_dir = str(tmp_path / f"tp{tp}pp{pp}{'x' if xser else 'p'}" / "step=0")
