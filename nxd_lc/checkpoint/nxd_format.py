@@ -66,7 +66,8 @@ def head_spelling(keys: Iterable[Any]) -> str:
     if any(k.startswith(HEAD_NXD) for k in keys):
         return f"'{HEAD_NXD}weight' (NxD's and HF's name)"
     if any(k.startswith(HEAD_MODULE) for k in keys):
-        return f"'{HEAD_MODULE}weight' (nxd_lc's LightningModule name, written before NxD's naming)"
+        return (f"'{HEAD_MODULE}weight' (the LightningModule's name: nxd_lc's older shards, or NxD's "
+                f"'{HEAD_NXD}weight' as read)")
     return "no head (lm_head) at all (a pipeline stage other than the last, or tied embeddings)"
 
 
