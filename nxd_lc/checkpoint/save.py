@@ -29,7 +29,7 @@ from nxd_lc.checkpoint.layout import (
 )
 from nxd_lc.checkpoint.nxd_format import layout_metadata, to_nxd_names
 from nxd_lc.checkpoint.retention import write_newest
-from nxd_lc.checkpoint.xser import compact_cpu, fsync_dir, map_tensors, save_xser, torch_save_file
+from nxd_lc.checkpoint.xser import compact_cpu, fsync_dir, map_tensors, save_xser, tensor_paths, torch_save_file
 from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.runtime import faults
@@ -213,20 +213,10 @@ class NonFiniteCheckpointError(ValueError):
     """A checkpoint's state holds NaN or infinite values: it is not published (the previous one stays newest)."""
 
 
-def _float_tensors(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
-    """``(key path, tensor)`` of every floating-point tensor in a nested dict / list / tuple (``a.b.0``)."""
-    if isinstance(obj, torch.Tensor):
-        return [(path or "<root>", obj)] if obj.is_floating_point() or obj.is_complex() else []
-    if isinstance(obj, dict):
-        items = list(obj.items())
-    elif isinstance(obj, (list, tuple)):
-        items = list(enumerate(obj))
-    else:
-        return []
-    out = []
-    for key, value in items:
-        out += _float_tensors(value, f"{path}.{key}" if path else str(key))
-    return out
+def _float_tensors(obj: Any) -> list[tuple[str, torch.Tensor]]:
+    """``(key path, tensor)`` of every floating-point tensor in a nested dict / list / tuple (``a.b.0``; a bare
+    tensor: ``<root>``)."""
+    return [(path or "<root>", t) for path, t in tensor_paths(obj) if t.is_floating_point() or t.is_complex()]
 
 
 def check_finite(state: Any, where: str) -> None:

@@ -67,6 +67,7 @@ __all__ = [
     "save_xser",
     "set_weights_only",
     "tensor_file",
+    "tensor_paths",
     "tensors_dir",
     "torch_save_file",
 ]
@@ -446,15 +447,15 @@ def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     return _transform(obj, lambda x: isinstance(x, torch.Tensor), id, fn)
 
 
-def _key_paths(obj: Any, prefix: str = "") -> dict[int, str]:
-    """``id(tensor)`` -> the dotted key path of its first occurrence in nested dict / list / tuple ``obj``."""
+def tensor_paths(obj: Any, path: str = "") -> list[tuple[str, torch.Tensor]]:
+    """``(dotted key path, tensor)`` of every tensor in nested dict / list / tuple ``obj`` (``a.b.0``; a bare tensor
+    has the path ``""``), in traversal order; a tensor referenced twice appears twice."""
     if isinstance(obj, torch.Tensor):
-        return {id(obj): prefix}
+        return [(path, obj)]
     items = obj.items() if isinstance(obj, dict) else enumerate(obj) if isinstance(obj, (list, tuple)) else ()
-    out: dict[int, str] = {}
-    for k, v in items:
-        for tid, path in _key_paths(v, f"{prefix}.{k}" if prefix else str(k)).items():
-            out.setdefault(tid, path)
+    out: list[tuple[str, torch.Tensor]] = []
+    for key, value in items:
+        out += tensor_paths(value, f"{path}.{key}" if path else str(key))
     return out
 
 
@@ -493,7 +494,9 @@ def save_xser(obj: Any, path: str, *, fsync: bool = False,
         return TensorReference(len(tensors) - 1)
 
     ref_obj = map_tensors(obj, to_ref)
-    keys = _key_paths(obj) if expert_parallel is not None else {}
+    keys: dict[int, str] = {}
+    for key, t in tensor_paths(obj) if expert_parallel is not None else ():
+        keys.setdefault(id(t), key)  # a shared tensor's first occurrence, as map_tensors numbers it
     info: dict[int, dict[str, Any]] = {}
     for tid, t in enumerate(tensors):
         torch_save_file(compact_cpu(t), tensor_file(path, tid), fsync)

@@ -21,7 +21,7 @@ KV heads ``[r nkv / tp, (r + 1) nkv / tp)``.
 from __future__ import annotations
 
 __all__ = ["ADJACENT", "INTERLEAVED", "KV_REPLICA_LAYOUTS", "kv_heads_of_rank", "kv_shared_group_index",
-           "query_block_of_rank", "query_block_order", "rank_of_query_block", "replication"]
+           "query_block_of_rank", "query_block_order", "replication"]
 
 INTERLEAVED = "interleaved"
 ADJACENT = "adjacent"
@@ -69,15 +69,6 @@ def query_block_of_rank(rank: int, tp: int, nkv: int, layout: str) -> int:
 def query_block_order(tp: int, nkv: int, layout: str) -> tuple[int, ...]:
     """``order[r]``: the query block of TP rank ``r``; also the block of ``o_proj``'s input columns it holds."""
     return tuple(query_block_of_rank(r, tp, nkv, layout) for r in range(tp))
-
-
-def rank_of_query_block(tp: int, nkv: int, layout: str) -> tuple[int, ...]:
-    """``owner[b]``: the TP rank holding query block ``b`` (the inverse of :func:`query_block_order`)."""
-    order = query_block_order(tp, nkv, layout)
-    owner = [0] * tp
-    for r, b in enumerate(order):
-        owner[b] = r
-    return tuple(owner)
 
 
 def kv_shared_group_index(rank: int, tp: int, kv_replicator: int, layout: str) -> int:

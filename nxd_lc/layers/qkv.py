@@ -34,7 +34,7 @@ from nxd_lc.distributed.mappings import (
     copy_to_tensor_model_parallel_region,
     sequence_parallel_linears,
 )
-from nxd_lc.layers.linear import InitMethod, default_init_method, mark_parameter
+from nxd_lc.layers.linear import InitMethod, default_init_method, mark_parameter, merge_tensor_shards
 from nxd_lc.runtime.accel import fork_accelerator_rng
 
 
@@ -240,8 +240,7 @@ class GQAQKVColumnParallelLinear(nn.Module):
         group = parallel_state.get_tensor_model_parallel_group()
         tp = parallel_state.get_tensor_model_parallel_world_size()
         blocks = collectives.all_gather(q.contiguous(), 0, group).chunk(tp, dim=0)  # rank r's query block
-        order = self.output_partition_order()
-        q_full = torch.cat([blocks[order.index(b)] for b in range(tp)], dim=0)
+        q_full = merge_tensor_shards(blocks, 0, order=self.output_partition_order())
         # the first rank holding each HF KV head, and that head's position in its local heads
         holder = {}
         for r in range(tp):

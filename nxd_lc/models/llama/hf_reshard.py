@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from nxd_lc.distributed.kv_layout import INTERLEAVED, kv_heads_of_rank, rank_of_query_block, replication
-from nxd_lc.layers import GQAQKVColumnParallelLinear
+from nxd_lc.distributed.kv_layout import INTERLEAVED, kv_heads_of_rank, query_block_order, replication
+from nxd_lc.layers import GQAQKVColumnParallelLinear, merge_tensor_shards
 from nxd_lc.models.llama.hf_mapping import hf_entries, read_entry
 from nxd_lc.models.llama.model import LlamaForCausalLM
 
@@ -103,8 +103,7 @@ def _merge_qkv(layer: GQAQKVColumnParallelLinear, locals_: list[list[torch.Tenso
             for j, h in enumerate(kv_heads_of_rank(r, tp, nkv, kv_layout)):
                 out[h * hd:(h + 1) * hd] = t[j * hd:(j + 1) * hd]
         full.append(out)
-    owner = rank_of_query_block(tp, nkv, kv_layout)
-    return [torch.cat([q_parts[owner[b]] for b in range(tp)], dim=0), *full]
+    return [merge_tensor_shards(q_parts, 0, order=query_block_order(tp, nkv, kv_layout)), *full]
 
 
 def merge_tp_shards(model: LlamaForCausalLM, shards: list[dict[str, torch.Tensor]],
@@ -145,8 +144,8 @@ def merge_tp_shards(model: LlamaForCausalLM, shards: list[dict[str, torch.Tensor
             assert isinstance(e.module, GQAQKVColumnParallelLinear)
             merged = _merge_qkv(e.module, locals_, e.module.fuse_qkv, where, kv_layout)
         elif e.kind == "row" and isinstance(e.module, GQAQKVColumnParallelLinear):  # o_proj: by query block
-            owner = rank_of_query_block(len(shards), e.module.num_key_value_heads, kv_layout)
-            merged = [torch.cat([firsts[owner[b]] for b in range(len(shards))], dim=1)]
+            order = query_block_order(len(shards), e.module.num_key_value_heads, kv_layout)
+            merged = [merge_tensor_shards(firsts, 1, order=order)]
         elif e.kind == "replicated":
             merged = [firsts[0]]
         elif e.kind in ("column", "row"):
