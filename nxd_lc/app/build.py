@@ -245,7 +245,7 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
         ValueError: the checkpoint's weights do not fit the model (names the keys and the config keys to check).
     """
     from nxd_lc.checkpoint import sharded
-    from nxd_lc.checkpoint.nxd_format import key_mismatch_message
+    from nxd_lc.checkpoint.nxd_format import MODEL_PREFIX, key_mismatch_message
     from nxd_lc.checkpoint.reshard import reshard_model_state, reshard_reason, saved_layout
     from nxd_lc.distributed import parallel_state as ps
     from nxd_lc.layers.lora import is_lora_key
@@ -268,7 +268,7 @@ def load_model_weights(model: Any, checkpoint_path: str) -> None:
                                           pp_rank=ps.get_pipeline_model_parallel_rank(), load_optim=False,
                                           read_model=not moves,
                                           ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
-    prefix = "model."
+    prefix = MODEL_PREFIX
     if moves:  # saved at another TP / PP layout: this rank's weights are rebuilt from the saved shards
         template = {prefix + k: v for k, v in model.state_dict().items() if not is_lora_key(k)}
         state = reshard_model_state(model, template, os.path.join(root, tag))
