@@ -190,11 +190,14 @@ def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) 
     """End of a LoRA run: the adapters under ``<log_dir>/lora/`` (``adapters.pt``, full and TP-independent, or
     per-rank shards with ``merge_sharded_lora: false``; load with ``load_lora_from_ckpt``; see
     :mod:`nxd_lc.alignment.lora_files`), and with ``model_alignment_strategy.peft.merge_lora`` the merged model as
-    an HF directory ``<log_dir>/hf_merged`` (adapters folded into the base weights, plus the tokenizer when it is
-    an HF dir). Collective over TP (every rank calls it); files are written atomically (temp name + rename)."""
+    an HF directory ``<log_dir>/hf_merged`` (adapters folded into the base weights, plus the run's saved tokenizer
+    and its special token ids in ``config.json`` / ``generation_config.json``). Collective over TP (every rank
+    calls it); files are written atomically (temp name + rename)."""
     from nxd_lc.alignment.lora_files import save_adapters
+    from nxd_lc.data.tokenizer import load_saved_tokenizer, special_token_ids
     from nxd_lc.distributed import collectives
     from nxd_lc.layers.lora import merge_lora
+    from nxd_lc.lightning.run_tokenizer import RUN_TOKENIZER_DIR, copy_tokenizer_files
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
     peft = peft_config(cfg)
@@ -202,13 +205,14 @@ def save_lora_outputs(cfg: NxdConfig, model: Any, log_dir: str, is_rank0: bool) 
     if peft.merge_lora:
         merge_lora(model)
         out = os.path.join(log_dir, "hf_merged")
-        save_hf_weights(model, out)  # collective; rank 0 writes
-        tok = cfg.data.tokenizer.type
-        if is_rank0 and tok and os.path.isdir(resolve_path(tok)):
-            from transformers import AutoTokenizer
-
-            AutoTokenizer.from_pretrained(resolve_path(tok), local_files_only=True,
-                                          trust_remote_code=False).save_pretrained(out)
+        tok_dir = os.path.join(log_dir, RUN_TOKENIZER_DIR)  # saved by every training run (SaveRunTokenizer)
+        tokenizer = load_saved_tokenizer(tok_dir, f"the run's tokenizer {tok_dir}") if os.path.isdir(tok_dir) \
+            else None
+        save_hf_weights(model, out,  # collective; rank 0 writes
+                        token_ids=special_token_ids(tokenizer) if tokenizer is not None else None)
+        if is_rank0:
+            if tokenizer is not None:
+                copy_tokenizer_files(tok_dir, out)
             log.info("merged model saved: %s", out)
     collectives.barrier()
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import shutil
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -62,6 +61,126 @@ def compose_run_config(config_name: str, config_dir: str = "conf", overrides: Se
     with initialize_config_dir(config_dir=conf_dir, version_base="1.3"):
         raw = compose(config_name=name, overrides=list(overrides))
     return load_config(raw, world_size=None, check_paths=False)
+
+
+def saved_run_config(tag_dir: str, overrides: Sequence[str] = ()) -> NxdConfig | None:
+    """The config of the run that wrote checkpoint ``tag_dir`` (its ``run_config.yaml``,
+    :mod:`nxd_lc.config.run_record`), with ``model.model_config`` pointing at the checkpoint's copy of the model's
+    config.json, and Hydra ``overrides`` applied; None for a checkpoint without one (NxD's, or nxd_lc's before
+    checkpoints carried their config).
+
+    Raises:
+        FileNotFoundError / nxd_lc.config.errors.ConfigError: as :func:`compose_run_config` (an override that does
+            not apply, an invalid result).
+    """
+    import tempfile
+
+    from nxd_lc.config.run_record import MODEL_CONFIG_FILE, RUN_CONFIG_FILE
+
+    path = os.path.join(tag_dir, RUN_CONFIG_FILE)
+    if not os.path.isfile(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    model_json = os.path.join(tag_dir, MODEL_CONFIG_FILE)
+    with tempfile.TemporaryDirectory(prefix="nxd_lc_run_config_") as tmp:
+        with open(os.path.join(tmp, "run_config.yaml"), "w", encoding="utf-8") as f:
+            f.write(text)
+        quoted = "'" + model_json.replace("\\", "\\\\").replace("'", "\\'") + "'"  # a tag holds '=' (step=2)
+        pinned = [f"model.model_config={quoted}"] if os.path.isfile(model_json) else []
+        return compose_run_config("run_config", tmp, [*pinned, *overrides])
+
+
+#: ``model.*`` keys that shape training, not the weights or the HF config an export writes: an export config may
+#: differ from the checkpoint's run config on them (``model.model_config`` is compared by its file's content)
+TRAINING_ONLY_MODEL_KEYS = frozenset({
+    "model_config", "hf_weights_dir", "hf_conversion_cache", "hf_conversion_cache_dir", "force_reconvert_from_hf",
+    "encoder_seq_length", "tiled_loss_chunk_size", "tiled_mlp_chunk_size", "compile", "enable_cuda_graph",
+    "weight_init_only", "use_cpu_initialization", "activations_checkpoint_granularity",
+    "activations_checkpoint_recompute", "activations_checkpoint_save_attention", "activations_checkpoint_method",
+    "activations_checkpoint_num_layers", "activations_offload", "activations_memory_budget", "pipeline_cuts",
+    "fusions", "transpose_nki_inputs", "do_layer_norm_weight_decay", "optim", "init_method_std",
+    "use_scaled_init_method", "hidden_dropout", "attention_dropout", "ffn_dropout", "persist_layer_norm"})
+
+
+def _flat(prefix: str, value: Any) -> dict[str, Any]:
+    """``{"a.b": leaf}`` of a nested dict (lists and other values are leaves)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, Any] = {}
+    for k, v in value.items():
+        out.update(_flat(f"{prefix}.{k}" if prefix else str(k), v))
+    return out
+
+
+def _model_defining(cfg: NxdConfig) -> dict[str, Any]:
+    """The keys of ``cfg`` that decide the exported model (flat, dotted): ``model.*`` but
+    :data:`TRAINING_ONLY_MODEL_KEYS`, ``model_source``, ``distributed_strategy.kv_replicator`` and the LoRA
+    adapters' keys."""
+    from nxd_lc.config.access import peft_config
+
+    model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in TRAINING_ONLY_MODEL_KEYS}
+    out = _flat("model", model)
+    out["model_source"] = cfg.model_source
+    out["distributed_strategy.kv_replicator"] = cfg.distributed_strategy.kv_replicator
+    peft = peft_config(cfg)
+    out.update(_flat("model_alignment_strategy.peft", dataclasses.asdict(peft) if peft is not None else None))
+    return out
+
+
+def export_config_differences(saved: NxdConfig, given: NxdConfig) -> list[str]:
+    """Where ``given`` (an export's command-line config) would build another model than ``saved`` (the
+    checkpoint's run config): one ``"<key>: ..."`` line per differing key, the fields of the model's config.json
+    (``model.model_config``, compared by content) included; empty when they agree.
+
+    Raises:
+        nxd_lc.config.errors.ConfigError: a ``model.model_config`` file that cannot be read (names it).
+    """
+    from nxd_lc.models.config_json import read_model_json
+
+    a, b = _model_defining(saved), _model_defining(given)
+    lines = [f"{key}: {b.get(key)!r} on the command line, {a.get(key)!r} in the checkpoint's run config"
+             for key in sorted(set(a) | set(b)) if a.get(key) != b.get(key)]
+    ja, jb = read_model_json(saved) or {}, read_model_json(given) or {}
+    lines += [f"model.model_config ({given.model.model_config}): {field} is {jb.get(field)!r}, the checkpoint's "
+              f"copy has {ja.get(field)!r}" for field in sorted(set(ja) | set(jb)) if ja.get(field) != jb.get(field)]
+    return lines
+
+
+def export_config(tag_dir: str, given: NxdConfig | None, overrides: Sequence[str] = ()) -> NxdConfig:
+    """The config an export of checkpoint ``tag_dir`` builds its model with.
+
+    A checkpoint that carries its run's config (:func:`saved_run_config`): that config, with ``overrides`` applied
+    when no ``given`` config is passed; a ``given`` config (the command line's ``--config-name``, composed with its
+    overrides) is only checked against it: it must agree on every model-defining key
+    (:func:`export_config_differences`), and so must the overrides. A checkpoint without one: ``given``.
+
+    Raises:
+        ValueError: ``given`` or ``overrides`` disagree with the checkpoint's run config (names every differing key
+            and the fix), or the checkpoint carries no run config and ``given`` is None.
+    """
+    from nxd_lc.config.run_record import RUN_CONFIG_FILE
+
+    saved = saved_run_config(tag_dir)
+    if saved is None:
+        if given is None:
+            raise ValueError(f"checkpoint {tag_dir} carries no {RUN_CONFIG_FILE} (written by NxD, or by nxd_lc "
+                             "before checkpoints carried their run config): pass the run's config with "
+                             "--config-name (and its overrides)")
+        return given
+    result = saved
+    if given is None and overrides:
+        given = result = saved_run_config(tag_dir, overrides)
+    if given is not None:
+        differ = export_config_differences(saved, given)
+        if differ:
+            raise ValueError(f"the config given for the export disagrees with the run that wrote {tag_dir} "
+                             f"(its {RUN_CONFIG_FILE}) on {len(differ)} key(s), so it would export another model:\n"
+                             + "\n".join(f"  - {d}" for d in differ)
+                             + "\ndrop --config-name and those overrides (the checkpoint's own config is used)")
+    log.info("export of %s: the model is built from the checkpoint's %s (run %r)%s", tag_dir, RUN_CONFIG_FILE,
+             saved.name, "; the given config agrees on every model key" if result is saved and given else "")
+    return result
 
 
 def build_model(cfg: NxdConfig, *, load_weights: bool = False) -> torch.nn.Module:
@@ -138,18 +257,51 @@ def run_tokenizer_source(cfg: NxdConfig, checkpoint_root: str) -> str | None:
     return None
 
 
-def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dtype: torch.dtype | None = None,
-                             overwrite: bool = False, use_xser: bool | None = None,
-                             save_tokenizer: bool = True) -> str:
+def export_tokenizer(cfg: NxdConfig, checkpoint_root: str, save_tokenizer: bool = True) -> tuple[str | None, Any]:
+    """``(directory, tokenizer)``: the tokenizer an export of a checkpoint in ``checkpoint_root`` takes its files
+    (``directory``: the run's saved one, None to save the loaded ``tokenizer``) and special token ids from.
+
+    The run's saved tokenizer (``<log_dir>/tokenizer``) is loaded and checked (a damaged or truncated file is an
+    error here, not a directory that transformers cannot load later); without one,
+    :func:`run_tokenizer_source` decides (the configured on-disk tokenizer, with a warning, or an error for a
+    ``bytelevel_bpe`` config when its files are to be saved). With ``save_tokenizer`` false and no saved
+    tokenizer, ``(None, None)``: the export keeps the source config.json's token ids (warned).
+
+    Raises:
+        ValueError: a saved tokenizer that does not load (names its directory and file), or as
+            :func:`run_tokenizer_source` / :func:`load_run_tokenizer`.
+    """
+    from nxd_lc.data.tokenizer import load_saved_tokenizer
+    from nxd_lc.lightning.run_tokenizer import run_tokenizer_dir
+
+    saved = run_tokenizer_dir(checkpoint_root)
+    if os.path.isdir(saved) and os.listdir(saved):
+        return saved, load_saved_tokenizer(saved, f"the run's tokenizer {saved}")
+    if not save_tokenizer:
+        log.warning("the run's tokenizer is not saved with the checkpoint (no %s) and --save-tokenizer is false: "
+                    "config.json keeps the special token ids of %s, which may not be the tokenizer's", saved,
+                    cfg.model.model_config)
+        return None, None
+    tokenizer_dir = run_tokenizer_source(cfg, checkpoint_root)
+    return tokenizer_dir, load_run_tokenizer(cfg)
+
+
+def convert_checkpoint_to_hf(cfg: NxdConfig | None, checkpoint: str, output: str, *,
+                             dtype: torch.dtype | None = None, overwrite: bool = False, use_xser: bool | None = None,
+                             save_tokenizer: bool = True, overrides: Sequence[str] = ()) -> str:
     """Write checkpoint ``checkpoint`` of the run ``cfg`` as an HF model directory ``output``.
 
     Collective: every rank of the default process group calls it (a group of one, or no group, for TP = 1).
     World size must equal the checkpoint's TP size. Initialises ``parallel_state`` (TP = the checkpoint's, CP =
     PP = 1) when it is not initialised, and tears it down again afterwards.
 
+    The model is built from the checkpoint's own run config when it carries one (:func:`export_config`: ``cfg``
+    and ``overrides`` are then checked against it and must agree on the model); ``config.json`` and
+    ``generation_config.json`` carry the special token ids of the run's tokenizer (:func:`export_tokenizer`).
+
     Args:
-        cfg: the validated config of the run that wrote the checkpoint (its model, ``hf_config_overrides``
-            included, and its tokenizer).
+        cfg: the config of the run that wrote the checkpoint (its model, ``hf_config_overrides`` included, and its
+            tokenizer), as the command line gives it; None: the checkpoint's own (it must carry one).
         checkpoint: ``<root>/<tag>`` or a checkpoint root (newest complete tag).
         output: HF directory to create (``model.safetensors``, ``config.json``, tokenizer files,
             ``nxd_lc_conversion.json``).
@@ -158,6 +310,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         use_xser: checkpoint format, None = auto-detect.
         save_tokenizer: also save the run's tokenizer (:func:`run_tokenizer_source`: the one the run saved, else
             the configured on-disk one via :func:`load_run_tokenizer`).
+        overrides: Hydra overrides of the checkpoint's run config (with ``cfg`` None).
 
     Returns:
         The absolute output directory.
@@ -170,21 +323,25 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
         nxd_lc.checkpoint.xser.UnsafeCheckpointError: a shard names a global outside the allowed set (nothing run).
     """
     from nxd_lc.config.access import peft_config
+    from nxd_lc.data.tokenizer import special_token_ids
     from nxd_lc.distributed import collectives
     from nxd_lc.distributed import parallel_state as ps
+    from nxd_lc.lightning.run_tokenizer import copy_tokenizer_files
     from nxd_lc.models.llama.hf_adapter import save_hf_weights
 
-    set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # the run's policy for reading its checkpoint
-    set_checkpoint_kv_layout(cfg)
     root, tag = resolve_checkpoint(checkpoint)
     tag_dir = os.path.join(root, tag)
+    cfg = export_config(tag_dir, cfg, overrides)
+    set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # the run's policy for reading its checkpoint
+    set_checkpoint_kv_layout(cfg)
     tp, ep = check_layout(cfg, tag_dir, collectives.get_global_world_size())
     # the model is built in the checkpoint's own KV-replica layout: its shards are read as they are
     kv_layout, how = checkpoint_kv_layout(tag_dir, run_kv_layout(cfg))
     log.info("checkpoint %s: KV replicas laid out %s (%s)", tag_dir, kv_layout, how)
     output = os.path.abspath(output)
     check_output(output, overwrite)
-    tokenizer_dir = run_tokenizer_source(cfg, root) if save_tokenizer else None  # every rank: raises everywhere
+    # every rank, before any collective: a problem raises everywhere
+    tokenizer_dir, tokenizer = export_tokenizer(cfg, root, save_tokenizer)
     own_state = not ps.model_parallel_is_initialized()
     if own_state:
         ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep,
@@ -204,19 +361,16 @@ def convert_checkpoint_to_hf(cfg: NxdConfig, checkpoint: str, output: str, *, dt
                          adapters_only=lora_only, ep_rank=ps.get_expert_model_parallel_rank() if ep > 1 else None)
         if peft is not None:
             merge_lora(model)  # the HF directory holds plain weights: base + scale * B @ A
-        tokenizer = load_run_tokenizer(cfg) if save_tokenizer and tokenizer_dir is None and rank0 else None
         parent, name = os.path.split(output)
         staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
         if rank0:
             os.makedirs(parent, exist_ok=True)
-        save_hf_weights(model, staging, dtype=dtype)  # collective; rank 0 writes
+        save_hf_weights(model, staging, dtype=dtype,  # collective; rank 0 writes
+                        token_ids=special_token_ids(tokenizer) if tokenizer is not None else None)
         if rank0:
-            if tokenizer_dir is not None:  # the run's own files, as saved
-                for name in sorted(os.listdir(tokenizer_dir)):
-                    src = os.path.join(tokenizer_dir, name)
-                    if os.path.isfile(src) and not os.path.islink(src):
-                        shutil.copyfile(src, os.path.join(staging, name))
-            elif tokenizer is not None:
+            if tokenizer_dir is not None and save_tokenizer:  # the run's own files, as saved
+                copy_tokenizer_files(tokenizer_dir, staging)
+            elif tokenizer is not None and save_tokenizer:
                 tokenizer.save_pretrained(staging)
             write_provenance(staging, tag_dir, tp, cfg)
             publish(staging, output)

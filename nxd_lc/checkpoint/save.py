@@ -75,6 +75,14 @@ def _write_shard(state: Any, path: str, use_xser: bool, experts: bool = False) -
         fsync_dir(os.path.dirname(path))
 
 
+def _write_text(path: str, text: str) -> None:
+    """Write ``text`` to ``path`` (UTF-8) and fsync it."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def _to_bf16(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.bfloat16) if t.dtype in _BF16_SOURCE_DTYPES else t
 
@@ -146,6 +154,7 @@ class StagedSave:
     files: list[tuple[str, Any, bool]]  # (path relative to staging, state, xser) to write
     user_content: Any
     layout: Any = None  # the done file's layout metadata (rank 0)
+    text_files: Mapping[str, str] | None = None  # name -> text, written by rank 0 (the run's record)
     error: BaseException | None = None
     written: bool = False
 
@@ -169,6 +178,10 @@ class StagedSave:
             if self.is_global_zero and self.user_content is not None:
                 torch_save_file(self.user_content, os.path.join(self.staging, USER_CONTENT_FILE), fsync=True)
                 relpaths.append(USER_CONTENT_FILE)
+            if self.is_global_zero:
+                for name, text in sorted((self.text_files or {}).items()):
+                    _write_text(os.path.join(self.staging, name), text)
+                    relpaths.append(name)
             integrity.write_rank_manifest(self.staging, collectives.get_global_rank(), relpaths)
         except BaseException as e:  # noqa: BLE001 - reported collectively by publish()
             self.error = e
@@ -246,7 +259,8 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
                      dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                      write_optim: bool, use_xser: bool, save_bf16: bool = False,
                      step: int | None = None, ep_rank: int | None = None,
-                     optim_sharded: bool = False, layout: Any = None) -> StagedSave:
+                     optim_sharded: bool = False, layout: Any = None,
+                     text_files: Mapping[str, str] | None = None) -> StagedSave:
     """Collective first phase of a save: rank 0 creates the staging directory ``<ckpt_root>/.<tag>.partial``.
 
     Arguments as :func:`save_checkpoint`. The returned :class:`StagedSave` holds references to the given
@@ -277,6 +291,7 @@ def stage_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state:
     return StagedSave(ckpt_root=ckpt_root, tag=tag, staging=staging, is_global_zero=is_global_zero,
                       step=_step_of(step, user_content), files=files,
                       user_content=user_content if is_global_zero else None,
+                      text_files=text_files if is_global_zero else None,
                       layout=layout if layout is not None or not ps.model_parallel_is_initialized()
                       else layout_metadata(ps.get_kv_replica_layout()))
 
@@ -285,7 +300,7 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
                     dp_rank: int, tp_rank: int, pp_rank: int, is_global_zero: bool, write_model: bool,
                     write_optim: bool, use_xser: bool, save_bf16: bool = False,
                     step: int | None = None, ep_rank: int | None = None, optim_sharded: bool = False,
-                    layout: Any = None) -> str:
+                    layout: Any = None, text_files: Mapping[str, str] | None = None) -> str:
     """Save this rank's shards into ``<ckpt_root>/<tag>``; collective over all ranks, atomic, checksummed.
 
     Every rank of the world group must call it (also ranks that write nothing): it votes three
@@ -319,6 +334,9 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
         layout: metadata of the run's layout written into ``done`` by rank 0
             (:func:`nxd_lc.checkpoint.nxd_format.layout_metadata`); None: this process's
             (:func:`nxd_lc.distributed.parallel_state.get_kv_replica_layout`; none without parallel state).
+        text_files: text files written by global rank 0 at the checkpoint's top level and listed in its
+            manifest, name -> text: the run's record (:func:`nxd_lc.config.run_record.run_record_files`:
+            ``run_config.yaml``, ``model_config.json``).
 
     The model shard is written under NxD's tensor names (:func:`nxd_lc.checkpoint.nxd_format.to_nxd_names`: the
     head is ``lm_head.weight``); xser shards get NxD's ``.info.pt`` (:func:`nxd_lc.checkpoint.xser.save_xser`).
@@ -335,7 +353,7 @@ def save_checkpoint(ckpt_root: str, tag: str, *, model_state: Any, optim_state: 
                               user_content=user_content, dp_rank=dp_rank, tp_rank=tp_rank, pp_rank=pp_rank,
                               is_global_zero=is_global_zero, write_model=write_model, write_optim=write_optim,
                               use_xser=use_xser, save_bf16=save_bf16, step=step, ep_rank=ep_rank,
-                              optim_sharded=optim_sharded, layout=layout)
+                              optim_sharded=optim_sharded, layout=layout, text_files=text_files)
     staged.write()
     return staged.publish()
 

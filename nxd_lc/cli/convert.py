@@ -2,8 +2,15 @@
 
 ::
 
-    torchrun --nproc_per_node=<TP> -m nxd_lc.cli.convert --config-name cpu_tiny_llama_config \\
-        --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints/<tag> --output nxd_lc_runs/hf/cpu_tiny_llama
+    torchrun --nproc_per_node=<TP> -m nxd_lc.cli.convert \\
+        --checkpoint nxd_lc_runs/cpu_tiny_llama/checkpoints --output nxd_lc_runs/hf/cpu_tiny_llama
+
+The model is the checkpoint's own: every nxd_lc checkpoint carries its run's resolved config
+(``<tag>/run_config.yaml``, and ``model_config.json``, the model's config.json as the run read it;
+:mod:`nxd_lc.config.run_record`), which the export builds from; ``--config-name`` (needed for NxD's checkpoints,
+which carry none) and overrides are checked against it and refused, naming each key, where they would change the
+model. ``config.json`` and ``generation_config.json`` carry the run tokenizer's bos / eos / pad ids, so
+transformers' ``generate`` stops at the eos the training data was packed with.
 
 Runs at the checkpoint's tensor-parallel size (one process per TP rank; a checkpoint saved with pipeline stages is
 gathered: each rank loads its TP shard of every stage; a checkpoint saved with expert parallelism,
@@ -49,7 +56,12 @@ from collections.abc import Sequence
 
 import torch
 
-from nxd_lc.app.convert import compose_run_config, convert_checkpoint_to_hf, convert_hf_to_checkpoint
+from nxd_lc.app.convert import (
+    compose_run_config,
+    convert_checkpoint_to_hf,
+    convert_hf_to_checkpoint,
+    export_config,
+)
 from nxd_lc.checkpoint.model_shards import check_layout, check_output, resolve_checkpoint
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -106,7 +118,10 @@ def build_arg_parser() -> argparse.ArgumentParser:
     """The converter's command line (see the module docstring)."""
     p = argparse.ArgumentParser(prog="python -m nxd_lc.cli.convert",
                                 description="Convert an nxd_lc NxD-layout checkpoint into an HF model directory.")
-    p.add_argument("--config-name", required=True, help="run config name in --config-dir (e.g. cpu_tiny_llama_config)")
+    p.add_argument("--config-name", default=None,
+                   help="run config name in --config-dir (e.g. cpu_tiny_llama_config): needed for a checkpoint "
+                        "without run_config.yaml (NxD's) and with --convert_from_full_state; for an nxd_lc "
+                        "checkpoint, which carries its run's config, only checked against it")
     p.add_argument("--config-dir", default="conf", help="Hydra config directory (default: ./conf)")
     p.add_argument("--checkpoint", "--input_dir", dest="checkpoint", required=True,
                    help="checkpoint dir <root>/<tag>, or a root (newest tag); with --convert_from_full_state the HF "
@@ -137,7 +152,8 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--load-xser", "--load_xser", dest="load_xser", type=parse_optional_bool, default=None,
                    help="checkpoint format: true (xser), false (torch.save) or auto (default: detect)")
     p.add_argument("overrides", nargs="*",
-                   help="Hydra overrides of the run config: key=value, +key=value, ++key=value, ~key")
+                   help="Hydra overrides of the run config (of --config-name, else of the checkpoint's own): "
+                        "key=value, +key=value, ++key=value, ~key; they may not change the checkpoint's model")
     return p
 
 
@@ -173,9 +189,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not logging.getLogger().handlers:
         logging.basicConfig(level=logging.INFO, format="[%(asctime)s %(name)s] %(message)s", stream=sys.stdout)
     created_group = False
+    if args.convert_from_full_state and not args.config_name:
+        parser.error("--convert_from_full_state needs --config-name: the run config of the checkpoint to write")
     try:
-        cfg = compose_run_config(args.config_name, args.config_dir, args.overrides)
+        given = compose_run_config(args.config_name, args.config_dir, args.overrides) if args.config_name else None
         if args.convert_from_full_state:
+            assert given is not None
+            cfg = given
             created_group = not dist.is_initialized()
             init_distributed("cpu")
             out = convert_hf_to_checkpoint(cfg, args.checkpoint, args.output, tag=args.tag, pp_size=args.pp_size or 1,
@@ -184,13 +204,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"wrote checkpoint {out} (TP {world}, PP {args.pp_size or 1}) from HF model {args.checkpoint}")
             return 0
         root, tag = resolve_checkpoint(args.checkpoint)  # cheap checks before any process group exists
+        ckpt_overrides = args.overrides if given is None else ()  # without --config-name: of the saved config
+        cfg = export_config(os.path.join(root, tag), given, ckpt_overrides)
         check_layout(cfg, os.path.join(root, tag), launched_world_size())
         check_output(os.path.abspath(args.output), args.overwrite)
         created_group = not dist.is_initialized()
         init_distributed("cpu")
-        out = convert_checkpoint_to_hf(cfg, os.path.join(root, tag), args.output,
+        out = convert_checkpoint_to_hf(given, os.path.join(root, tag), args.output,
                                        dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
-                                       use_xser=args.load_xser, save_tokenizer=args.save_tokenizer)
+                                       use_xser=args.load_xser, save_tokenizer=args.save_tokenizer,
+                                       overrides=ckpt_overrides)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -359,34 +359,56 @@ def _present_files(directory: str, parsed: dict[str, Any]) -> str:
 
 
 def _load_dir(directory: str, kind: str, *, use_fast: bool = True,
-              require_fast: bool = True) -> PreTrainedTokenizerFast:
+              require_fast: bool = True, key: str = "data.tokenizer.type") -> PreTrainedTokenizerFast:
     from transformers import AutoTokenizer
 
-    parsed = check_tokenizer_files(directory, "data.tokenizer.type")
-    refuse_remote_code(directory, "data.tokenizer.type", parsed)
+    parsed = check_tokenizer_files(directory, key)
+    refuse_remote_code(directory, key, parsed)
     try:
         tok = AutoTokenizer.from_pretrained(directory, local_files_only=True, use_fast=use_fast,
                                             trust_remote_code=False)
     except Exception as e:  # noqa: BLE001 - tokenizers raises a bare Exception on a file it cannot parse
         files = _present_files(directory, parsed) or "none of the known tokenizer files"
-        raise ValueError(f"data.tokenizer.type: cannot load a tokenizer from {directory}: one of its files "
+        raise ValueError(f"{key}: cannot load a tokenizer from {directory}: one of its files "
                          f"({files}) holds what transformers "
                          f"cannot use ({type(e).__name__}: {e}); copy the tokenizer files again") from e
     if require_fast and not getattr(tok, "is_fast", False):
         hint = "; set data.tokenizer.use_fast: true" if not use_fast else ""
-        raise ValueError(f"data.tokenizer.type: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "
+        raise ValueError(f"{key}: {kind!r} loads a slow tokenizer ({type(tok).__name__}); text is "
                          f"tokenized with a fast (tokenizer.json) tokenizer{hint}")
     vocab = tok.get_vocab()
     top = max(vocab.values(), default=-1)
     if top >= len(tok) or len(set(vocab.values())) != len(vocab):  # ids must be 0..N-1, each once
         files = _present_files(directory, parsed) or directory
-        raise ValueError(f"data.tokenizer.type: the tokenizer in {directory} ({files}) gives token ids up to {top} "
+        raise ValueError(f"{key}: the tokenizer in {directory} ({files}) gives token ids up to {top} "
                          f"for {len(tok)} tokens: its vocabulary repeats or skips ids, so ids would fall outside "
                          "the embedding; the tokenizer files are damaged: copy them again")
     if tok.eos_token_id is None:
-        raise ValueError(f"data.tokenizer.type: tokenizer {kind!r} has no eos token; packing separates "
+        raise ValueError(f"{key}: tokenizer {kind!r} has no eos token; packing separates "
                          f"documents with it; set eos_token in {os.path.join(directory, 'tokenizer_config.json')}")
     return tok
+
+
+def load_saved_tokenizer(directory: str, key: str) -> PreTrainedTokenizerFast:
+    """The tokenizer saved in ``directory`` (a run's ``<log_dir>/tokenizer``, an HF model directory), loaded with
+    the checks of ``data.tokenizer.type``'s directories: valid files, no remote code, ids 0..N-1, an eos token.
+
+    Args:
+        key: what the errors name as the tokenizer's source (a path or an option).
+
+    Raises:
+        ValueError: a damaged or incomplete tokenizer (names ``key``, the file and the fix).
+    """
+    return _load_dir(directory, directory, key=key)
+
+
+def special_token_ids(tokenizer: Any) -> dict[str, int | None]:
+    """``{"bos_token_id", "eos_token_id", "pad_token_id"}`` of an HF tokenizer (None where it has no such token):
+    the ids an HF ``config.json`` / ``generation_config.json`` must carry for ``generate`` to stop at the eos the
+    training data was packed with (:class:`~nxd_lc.data.datamodule.PretrainingDataModule` separates documents with
+    ``tokenizer.eos_token_id``)."""
+    return {name: (None if getattr(tokenizer, name, None) is None else int(getattr(tokenizer, name)))
+            for name in ("bos_token_id", "eos_token_id", "pad_token_id")}
 
 
 def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerFast) -> str:

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytorch_lightning as pl
 
-__all__ = ["RUN_TOKENIZER_DIR", "SaveRunTokenizer", "run_tokenizer_dir", "save_run_tokenizer"]
+__all__ = ["RUN_TOKENIZER_DIR", "SaveRunTokenizer", "copy_tokenizer_files", "run_tokenizer_dir", "save_run_tokenizer"]
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,15 @@ RUN_TOKENIZER_DIR = "tokenizer"
 def run_tokenizer_dir(checkpoint_root: str) -> str:
     """Where the run whose checkpoints are in ``checkpoint_root`` (``<log_dir>/checkpoints``) saved its tokenizer."""
     return os.path.join(os.path.dirname(os.path.abspath(checkpoint_root)), RUN_TOKENIZER_DIR)
+
+
+def copy_tokenizer_files(src: str, dst: str) -> None:
+    """Copy the tokenizer files of directory ``src`` (a saved run tokenizer: regular files, links skipped) into the
+    existing directory ``dst``."""
+    for name in sorted(os.listdir(src)):
+        path = os.path.join(src, name)
+        if os.path.isfile(path) and not os.path.islink(path):
+            shutil.copyfile(path, os.path.join(dst, name))
 
 
 def _same_files(a: str, b: str) -> bool:

@@ -81,6 +81,8 @@ class NxDStrategy(DDPStrategy):
             published (manifest, ``done``, rename) at the first step boundary at which every rank has finished
             writing (:mod:`nxd_lc.lightning.preemption`). At most one save is in flight: the next save, the end
             of training and a preemption save wait for it. Removals of older checkpoints wait for publication.
+        run_files: text files every checkpoint holds, name -> text, written by global rank 0: the run's record
+            (:func:`nxd_lc.config.run_record.run_record_files`, which the HF export builds its model from).
         **kwargs: passed to ``DDPStrategy`` (accelerator, parallel_devices, cluster_environment, ...).
     """
 
@@ -88,8 +90,10 @@ class NxDStrategy(DDPStrategy):
 
     def __init__(self, *, save_xser: bool = True, load_xser: bool = True, save_bf16: bool = False,
                  zero1: bool = False, use_master_weights_in_ckpt: bool = False, lora_only: bool = False,
-                 ckpt_ptl_version: Optional[str] = None, async_checkpointing: bool = False, **kwargs: Any) -> None:
+                 ckpt_ptl_version: Optional[str] = None, async_checkpointing: bool = False,
+                 run_files: Optional[Mapping[str, str]] = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self.run_files = dict(run_files or {})
         self.ckpt_ptl_version = ckpt_ptl_version
         self.lora_only = lora_only
         self.save_xser = save_xser
@@ -194,7 +198,7 @@ class NxDStrategy(DDPStrategy):
             root, tag, model_state=model_state, optim_state=optim_state or None, user_content=content,
             is_global_zero=self.is_global_zero, write_model=writer,
             write_optim=(writer or self.zero1) and bool(optim_state), use_xser=self.save_xser,
-            save_bf16=self.save_bf16, optim_sharded=self.zero1, **ranks)
+            save_bf16=self.save_bf16, optim_sharded=self.zero1, text_files=self.run_files, **ranks)
         if not self.async_checkpointing:
             staged.write()
             self._flush_loggers()  # before publishing: the checkpoint's own step is logged and on disk first

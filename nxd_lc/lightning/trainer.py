@@ -9,6 +9,7 @@ import pytorch_lightning as pl
 
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
 from nxd_lc.config.access import num_microbatches as microbatches_of
+from nxd_lc.config.run_record import run_record_files
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.data.curriculum import curriculum_stages, stage_at
 from nxd_lc.lightning.callbacks import MetricsPrinter, ThroughputLogger
@@ -40,7 +41,7 @@ def _backend_kwargs(cfg: NxdConfig, runtime: RuntimeInfo) -> dict[str, Any]:
     ckpt = dict(save_xser=em.save_xser, load_xser=em.load_xser, save_bf16=em.save_bf16,
                 use_master_weights_in_ckpt=em.checkpoint_callback_params.use_master_weights_in_ckpt,
                 zero1=cfg.distributed_strategy.zero1, ckpt_ptl_version=em.ckpt_ptl_version,
-                async_checkpointing=em.async_checkpointing,
+                async_checkpointing=em.async_checkpointing, run_files=run_record_files(cfg),
                 lora_only=peft_config(cfg) is not None and not peft_config(cfg).save_lora_base)
     autocast = resolve_precision(cfg).autocast_dtype is not None
     if is_xla_accelerator(runtime.accelerator):

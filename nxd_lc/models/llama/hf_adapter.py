@@ -42,7 +42,9 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -197,7 +199,7 @@ def _split_shards(state: dict[str, torch.Tensor], max_bytes: int) -> list[dict[s
 
 
 def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.dtype | None = None,
-                    max_shard_bytes: int = 5 * 2**30) -> None:
+                    max_shard_bytes: int = 5 * 2**30, token_ids: Mapping[str, int | None] | None = None) -> None:
     """Write ``model`` as an HF checkpoint: safetensors (+ index when sharded) and ``config.json``.
 
     Collective: every rank calls it; global rank 0 writes, then all ranks meet at a barrier. Files:
@@ -205,10 +207,25 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
     when the weights exceed ``max_shard_bytes``. ``config.json`` is ``model.config`` (unpadded vocab)
     with its dtype set to the saved tensors' dtype, loadable with ``transformers.AutoModelForCausalLM.from_pretrained``.
 
+    Args:
+        token_ids: the special token ids of the tokenizer the model was trained with (``bos_token_id``,
+            ``eos_token_id``, ``pad_token_id``; None values are written as null): they replace the source
+            config.json's in ``config.json``, and ``generation_config.json`` is written with them (``generate``
+            stops at that eos; its pad is the tokenizer's, else the eos). None: the model config's ids are kept
+            and no ``generation_config.json`` is written.
+
     Raises:
-        ValueError: a Megatron-source architecture HF has no class for (:func:`hf_export_config`), on every rank.
+        ValueError: a Megatron-source architecture HF has no class for (:func:`hf_export_config`), or a token id
+            outside ``[0, vocab_size)``; on every rank.
     """
     config = hf_export_config(model.config)  # on every rank, before any collective: fails everywhere or nowhere
+    for name, value in (token_ids or {}).items():
+        if name not in _TOKEN_ID_FIELDS:
+            raise ValueError(f"token_ids: {name!r} is not one of {', '.join(_TOKEN_ID_FIELDS)}")
+        if value is not None and not 0 <= int(value) < config.vocab_size:
+            raise ValueError(f"the tokenizer's {name} {value} is outside the model's vocabulary (vocab_size "
+                             f"{config.vocab_size}): the tokenizer is not the model's")
+        setattr(config, name, None if value is None else int(value))
     state = export_hf_state_dict(model, rank0_only=True, dtype=dtype)
     if collectives.get_global_rank() == 0:
         out = Path(path)
@@ -228,5 +245,22 @@ def save_hf_weights(model: LlamaForCausalLM, path: str | Path, *, dtype: torch.d
         saved_dtype = dtype or next(iter(state.values())).dtype
         setattr(config, "dtype" if hasattr(config, "dtype") else "torch_dtype", saved_dtype)
         config.save_pretrained(str(out))
+        if token_ids is not None:
+            _save_generation_config(config, out)
     collectives.barrier()
+
+
+#: the special-token fields of an HF config that :func:`save_hf_weights` takes from the run's tokenizer
+_TOKEN_ID_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id")
+
+
+def _save_generation_config(config: Any, out: Path) -> None:
+    """``generation_config.json`` of ``config`` (transformers' ``GenerationConfig.from_model_config``: its bos / eos /
+    pad ids), with the pad id falling back to the eos id, as transformers' ``generate`` would at run time."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig.from_model_config(config)
+    if gen.pad_token_id is None:
+        gen.pad_token_id = gen.eos_token_id
+    gen.save_pretrained(str(out))
 
