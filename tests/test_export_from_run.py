@@ -176,3 +176,40 @@ def test_a_damaged_run_tokenizer_is_refused_before_the_export(sft_run: Path, tmp
     with pytest.raises(ValueError, match=r"tokenizer\.json is not valid JSON"):
         convert_checkpoint_to_hf(None, str(run / "checkpoints"), str(tmp_path / "hf"))
     assert not (tmp_path / "hf").exists()
+
+
+def test_the_export_never_replaces_the_run_and_cleans_up_after_a_killed_export(sft_run: Path, tmp_path: Path,
+                                                                              capsys: pytest.CaptureFixture[str]
+                                                                              ) -> None:
+    """``--output`` = the run directory, one of its parents or a directory inside the checkpoint root is refused
+    (with ``--overwrite``), the run intact; a bare ``--overwrite`` before an override takes ``true``, not the
+    override; a stale ``.<name>.partial-<id>`` of a killed export is removed by the next export; a truncated
+    shard is one error line naming the file."""
+    from dist_utils import set_launch_env_of_one
+
+    run = tmp_path / "run"
+    shutil.copytree(sft_run / "run", run)
+    before = sorted(str(p.relative_to(run)) for p in run.rglob("*"))
+    ckpt = str(run / "checkpoints")
+    with pytest.MonkeyPatch.context() as mp:
+        set_launch_env_of_one(mp.setenv)
+        for output in (run, tmp_path, run / "checkpoints" / "hf"):
+            assert convert_main(["--checkpoint", ckpt, "--output", str(output), "--overwrite", "true"]) == 2
+            assert "choose a directory outside it" in capsys.readouterr().err
+        assert sorted(str(p.relative_to(run)) for p in run.rglob("*")) == before
+        stale = tmp_path / ".hf.partial-0123abcd"
+        stale.mkdir()
+        (stale / "model.safetensors").write_bytes(b"half")
+        (tmp_path / "hf").mkdir()
+        (tmp_path / "hf" / "old.txt").write_text("an earlier export")
+        assert convert_main(["--checkpoint", ckpt, "--output", str(tmp_path / "hf"), "--overwrite",
+                             "name=renamed_run"]) == 0
+        assert not stale.exists() and not (tmp_path / "hf" / "old.txt").exists()
+        assert json.loads((tmp_path / "hf" / "nxd_lc_conversion.json").read_text())["run_name"] == "renamed_run"
+        shard = next((run / "checkpoints").glob("*/model/*.pt"))
+        target = shard if shard.is_file() else next(p for p in shard.rglob("*") if p.is_file())
+        target.write_bytes(target.read_bytes()[: target.stat().st_size // 2])
+        capsys.readouterr()
+        assert convert_main(["--checkpoint", ckpt, "--output", str(tmp_path / "hf3")]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and str(target) in err[0] and "truncated" in err[0], err

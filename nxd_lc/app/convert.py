@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import shutil
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +29,7 @@ from nxd_lc.checkpoint.model_shards import (
     publish,
     resolve_checkpoint,
     stage_state,
+    staging_siblings,
     write_provenance,
 )
 from nxd_lc.checkpoint.nxd_format import checkpoint_kv_layout
@@ -257,6 +259,15 @@ def run_tokenizer_source(cfg: NxdConfig, checkpoint_root: str) -> str | None:
     return None
 
 
+def export_guards(checkpoint_root: str) -> dict[str, list[str]]:
+    """:func:`~nxd_lc.checkpoint.model_shards.check_output`'s directories for an export of a checkpoint in
+    ``checkpoint_root``: the root is sealed, and a run's directory (``<log_dir>`` of ``<log_dir>/checkpoints``)
+    protected."""
+    root = os.path.abspath(checkpoint_root)
+    run_dir = [os.path.dirname(root)] if os.path.basename(root) == "checkpoints" else []
+    return {"protected": run_dir, "sealed": [root]}
+
+
 def export_tokenizer(cfg: NxdConfig, checkpoint_root: str, save_tokenizer: bool = True) -> tuple[str | None, Any]:
     """``(directory, tokenizer)``: the tokenizer an export of a checkpoint in ``checkpoint_root`` takes its files
     (``directory``: the run's saved one, None to save the loaded ``tokenizer``) and special token ids from.
@@ -339,7 +350,7 @@ def convert_checkpoint_to_hf(cfg: NxdConfig | None, checkpoint: str, output: str
     kv_layout, how = checkpoint_kv_layout(tag_dir, run_kv_layout(cfg))
     log.info("checkpoint %s: KV replicas laid out %s (%s)", tag_dir, kv_layout, how)
     output = os.path.abspath(output)
-    check_output(output, overwrite)
+    check_output(output, overwrite, **export_guards(root))
     # every rank, before any collective: a problem raises everywhere
     tokenizer_dir, tokenizer = export_tokenizer(cfg, root, save_tokenizer)
     own_state = not ps.model_parallel_is_initialized()
@@ -365,6 +376,10 @@ def convert_checkpoint_to_hf(cfg: NxdConfig | None, checkpoint: str, output: str
         staging = os.path.join(parent, f".{name}.partial-{uuid.uuid4().hex[:8]}")
         if rank0:
             os.makedirs(parent, exist_ok=True)
+            for stale in staging_siblings(output):  # an earlier export to `output` killed before publishing
+                log.warning("removing %s, left by an export to %s that did not finish", stale, output)
+                shutil.rmtree(stale, ignore_errors=True)
+        collectives.barrier()  # no rank's staging directory exists before the stale ones are gone
         save_hf_weights(model, staging, dtype=dtype,  # collective; rank 0 writes
                         token_ids=special_token_ids(tokenizer) if tokenizer is not None else None)
         if rank0:

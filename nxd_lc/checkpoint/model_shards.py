@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shutil
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -145,11 +147,45 @@ def load_model_shard(model: torch.nn.Module, ckpt_root: str, tag: str, *, tp_ran
         raise ValueError(key_mismatch_message(os.path.join(ckpt_root, tag), model.state_dict(), local, e)) from e
 
 
-def check_output(output: str, overwrite: bool) -> None:
+def check_output(output: str, overwrite: bool, protected: Sequence[str] = (), sealed: Sequence[str] = ()) -> None:
+    """Check the export directory ``output`` before anything is built.
+
+    Args:
+        overwrite: an existing non-empty ``output`` may be replaced (``--overwrite true``).
+        protected: directories the export must never replace: ``output`` may be none of them nor one of their
+            parents (the run directory ``<log_dir>``: every checkpoint, the run's tokenizer, its logs).
+        sealed: directories the export may not replace nor write into (the checkpoint root: a directory there
+            would be taken for a checkpoint).
+
+    Raises:
+        ValueError: ``output`` is a file, a non-empty directory without ``overwrite``, a protected or sealed
+            directory or one of their parents, or lies inside a sealed one (names both and the fix).
+    """
+    out = os.path.realpath(output)
+
+    def within(child: str, parent: str) -> bool:
+        return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+    for path in [*protected, *sealed]:
+        real = os.path.realpath(path)
+        if within(real, out) or (path in sealed and within(out, real)):
+            raise ValueError(f"--output: {output} would replace or write into {path}, which the export reads (a "
+                             "run's checkpoints, tokenizer and logs); choose a directory outside it")
     if os.path.isfile(output):
         raise ValueError(f"--output: {output} is a file; give a directory path")
     if os.path.isdir(output) and os.listdir(output) and not overwrite:
         raise ValueError(f"--output: {output} exists and is not empty; pass --overwrite true to replace it")
+
+
+def staging_siblings(output: str) -> list[str]:
+    """The hidden staging directories of exports to ``output`` (``.<name>.partial-<id>`` beside it) that an
+    earlier export left when it was killed before publishing; newest last."""
+    parent, name = os.path.split(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        return []
+    pattern = re.compile(rf"^\.{re.escape(name)}\.partial-[0-9a-f]{{8}}$")
+    found = [os.path.join(parent, n) for n in os.listdir(parent) if pattern.match(n)]
+    return sorted(found, key=os.path.getmtime)
 
 
 def publish(staging: str, output: str) -> None:

@@ -61,6 +61,7 @@ from nxd_lc.app.convert import (
     convert_checkpoint_to_hf,
     convert_hf_to_checkpoint,
     export_config,
+    export_guards,
 )
 from nxd_lc.checkpoint.model_shards import check_layout, check_output, resolve_checkpoint
 
@@ -94,6 +95,21 @@ def parse_optional_bool(text: str) -> bool | None:
     if str(text).strip().lower() in ("auto", "none"):
         return None
     return parse_bool(text)
+
+
+def explicit_bool_values(argv: Sequence[str], parser: argparse.ArgumentParser) -> list[str]:
+    """``argv`` with ``true`` inserted after each bare boolean flag (``--overwrite``, ``--save-xser``, ...) that is
+    not followed by a boolean word: argparse would otherwise take the next word, e.g. the first Hydra override
+    (``--overwrite model.fuse_qkv=false``), as the flag's value. ``--flag=value`` is left as it is."""
+    flags = {opt for action in parser._actions if action.const is True and action.nargs == "?"
+             for opt in action.option_strings}
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        following = argv[i + 1] if i + 1 < len(argv) else None
+        if arg in flags and (following is None or str(following).strip().lower() not in _TRUE + _FALSE):
+            out.append("true")
+    return out
 
 
 def override_problem(overrides: Sequence[str]) -> str | None:
@@ -161,11 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Command-line entry point (module docstring). Returns 0, or 2 after printing a config/input error."""
     import torch.distributed as dist
 
+    from nxd_lc.checkpoint.integrity import CheckpointIntegrityError
+    from nxd_lc.checkpoint.xser import UnsafeCheckpointError
     from nxd_lc.config.errors import ConfigError
     from nxd_lc.runtime.device import init_distributed, launched_world_size
 
     parser = build_arg_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(explicit_bool_values(sys.argv[1:] if argv is None else argv, parser))
     problem = override_problem(args.overrides)
     if problem:
         parser.error(problem)
@@ -207,15 +225,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ckpt_overrides = args.overrides if given is None else ()  # without --config-name: of the saved config
         cfg = export_config(os.path.join(root, tag), given, ckpt_overrides)
         check_layout(cfg, os.path.join(root, tag), launched_world_size())
-        check_output(os.path.abspath(args.output), args.overwrite)
+        check_output(os.path.abspath(args.output), args.overwrite, **export_guards(root))
         created_group = not dist.is_initialized()
         init_distributed("cpu")
         out = convert_checkpoint_to_hf(given, os.path.join(root, tag), args.output,
                                        dtype=_DTYPES[args.dtype] if args.dtype else None, overwrite=args.overwrite,
                                        use_xser=args.load_xser, save_tokenizer=args.save_tokenizer,
                                        overrides=ckpt_overrides)
-    except (ConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+    except (ConfigError, FileNotFoundError, ValueError, CheckpointIntegrityError, UnsafeCheckpointError) as e:
+        print(f"error: {e}", file=sys.stderr)  # one line naming the key, file or flag: no traceback
         return 2
     finally:
         if created_group and dist.is_initialized():
