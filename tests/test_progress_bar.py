@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import pytorch_lightning as pl
 import torch
+from pytorch_lightning.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from nxd_lc.lightning.progress import OptimizerStepProgressBar
@@ -30,13 +31,25 @@ class _Tiny(pl.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def _fit(tmp_path: Path, *, batches: int, accumulate: int, max_steps: int, max_epochs: int) -> tuple[
+class _BarAtStart(pl.Callback):
+    """Records the bar's ``(n, total)`` when training starts (after a restore)."""
+
+    def __init__(self, bar: OptimizerStepProgressBar) -> None:
+        self.bar, self.at_start = bar, None
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.at_start = (self.bar.train_progress_bar.n, self.bar.train_progress_bar.total)
+
+
+def _fit(tmp_path: Path, *, batches: int, accumulate: int, max_steps: int, max_epochs: int,
+         callbacks: tuple[pl.Callback, ...] = (), ckpt_path: str | None = None) -> tuple[
         OptimizerStepProgressBar, pl.Trainer]:
     bar = OptimizerStepProgressBar()
     trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, max_epochs=max_epochs,
-                         accumulate_grad_batches=accumulate, callbacks=[bar], logger=False,
-                         enable_checkpointing=False, enable_model_summary=False, default_root_dir=str(tmp_path))
-    trainer.fit(_Tiny(), DataLoader(torch.randn(batches, 2), batch_size=1))
+                         accumulate_grad_batches=accumulate, callbacks=[bar, *callbacks, _BarAtStart(bar)],
+                         logger=False, enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in callbacks),
+                         enable_model_summary=False, default_root_dir=str(tmp_path))
+    trainer.fit(_Tiny(), DataLoader(torch.randn(batches, 2), batch_size=1), ckpt_path=ckpt_path)
     return bar, trainer
 
 
@@ -56,6 +69,21 @@ def test_an_epoch_bound_run_counts_the_optimizer_steps_of_each_epoch(tmp_path: P
     assert trainer.global_step == 6
     assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (3, 3)
     assert bar.train_progress_bar.desc.rstrip(": ") == "Epoch 1/1"
+
+
+def test_a_run_resumed_inside_an_epoch_keeps_the_total(tmp_path: Path) -> None:
+    """Issue 50: a run resumed from a checkpoint saved inside its (only) epoch showed ``8/?``: Lightning restarts
+    the epoch without ``on_train_epoch_start``. Saved at step 2 of a 20-micro-batch epoch (2 per step), resumed
+    with max_steps 6: the bar starts at 2/6 and ends at 6/6."""
+    ckpt = ModelCheckpoint(dirpath=str(tmp_path / "ckpt"), every_n_train_steps=2, save_top_k=-1)
+    _fit(tmp_path, batches=20, accumulate=2, max_steps=2, max_epochs=-1, callbacks=(ckpt,))
+    saved = ckpt.last_model_path or ckpt.best_model_path
+    assert saved
+    bar, trainer = _fit(tmp_path, batches=20, accumulate=2, max_steps=6, max_epochs=-1, ckpt_path=saved)
+    assert trainer.global_step == 6
+    at_start = [c for c in trainer.callbacks if isinstance(c, _BarAtStart)][0].at_start
+    assert at_start == (2, 6)
+    assert (bar.train_progress_bar.n, bar.train_progress_bar.total) == (6, 6)
 
 
 def test_the_demo_config_runs_with_the_optimizer_step_bar(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -50,11 +50,25 @@ class OptimizerStepProgressBar(TQDMProgressBar):
         bounded = trainer.max_epochs is not None and trainer.max_epochs > 0
         return f"Epoch {trainer.current_epoch}" + (f"/{trainer.max_epochs - 1}" if bounded else "")
 
+    def on_train_start(self, trainer: pl.Trainer, *_: Any) -> None:
+        """Create the bar at the optimizer steps done so far out of :meth:`_total`. A run resumed from a checkpoint
+        saved inside an epoch (the usual case: ``max_steps``-bound runs have one long epoch) restarts that epoch
+        without Lightning calling ``on_train_epoch_start``, so the bar is set here too (before: ``8/?``)."""
+        super().on_train_start(trainer)
+        # optimizer steps of this epoch done before the restore (0 on a fresh start)
+        batches = trainer.fit_loop.epoch_loop.batch_progress.current.completed
+        self._start_epoch_bar(trainer, batches // max(trainer.accumulate_grad_batches, 1))
+
     def on_train_epoch_start(self, trainer: pl.Trainer, *_: Any) -> None:
         """Reset the bar to the optimizer steps done so far out of :meth:`_total`."""
         if self._leave:
             self.train_progress_bar = self.init_train_tqdm()
-        self._epoch_first_step = trainer.global_step
+        self._start_epoch_bar(trainer, 0)
+
+    def _start_epoch_bar(self, trainer: pl.Trainer, steps_in_epoch: int) -> None:
+        """Point the bar at the current epoch, of which ``steps_in_epoch`` optimizer steps are done: total
+        :meth:`_total`, start :meth:`_done`, its description."""
+        self._epoch_first_step = trainer.global_step - steps_in_epoch
         bar = self.train_progress_bar
         bar.reset()
         bar.total = convert_inf(self._total(trainer))
