@@ -105,28 +105,19 @@ TRAINING_ONLY_MODEL_KEYS = frozenset({
     "use_scaled_init_method", "hidden_dropout", "attention_dropout", "ffn_dropout", "persist_layer_norm"})
 
 
-def _flat(prefix: str, value: Any) -> dict[str, Any]:
-    """``{"a.b": leaf}`` of a nested dict (lists and other values are leaves)."""
-    if not isinstance(value, dict):
-        return {prefix: value}
-    out: dict[str, Any] = {}
-    for k, v in value.items():
-        out.update(_flat(f"{prefix}.{k}" if prefix else str(k), v))
-    return out
-
-
 def _model_defining(cfg: NxdConfig) -> dict[str, Any]:
     """The keys of ``cfg`` that decide the exported model (flat, dotted): ``model.*`` but
     :data:`TRAINING_ONLY_MODEL_KEYS`, ``model_source``, ``distributed_strategy.kv_replicator`` and the LoRA
     adapters' keys."""
     from nxd_lc.config.access import peft_config
+    from nxd_lc.config.run_record import flat_keys
 
     model = {k: v for k, v in dataclasses.asdict(cfg.model).items() if k not in TRAINING_ONLY_MODEL_KEYS}
-    out = _flat("model", model)
+    out = flat_keys("model", model)
     out["model_source"] = cfg.model_source
     out["distributed_strategy.kv_replicator"] = cfg.distributed_strategy.kv_replicator
     peft = peft_config(cfg)
-    out.update(_flat("model_alignment_strategy.peft", dataclasses.asdict(peft) if peft is not None else None))
+    out.update(flat_keys("model_alignment_strategy.peft", dataclasses.asdict(peft) if peft is not None else None))
     return out
 
 

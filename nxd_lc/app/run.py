@@ -31,7 +31,9 @@ from nxd_lc.app.validation import check_supported, load_config, memory_report, p
 from nxd_lc.checkpoint.xser import set_weights_only
 from nxd_lc.config.access import data_parallel_size, peft_config, seq_length
 from nxd_lc.config.errors import ConfigError
+from nxd_lc.config.run_record import config_differences, resolved_config_yaml
 from nxd_lc.config.schema import NxdConfig
+from nxd_lc.distributed.startup import check_same_config
 from nxd_lc.precision import resolve_precision
 from nxd_lc.runtime.env import apply_env, format_env_table
 
@@ -117,6 +119,7 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
         print(dry_run(cfg))
         return None
     check_supported(cfg)
+    check_processes_per_node(cfg)
     set_weights_only(cfg.exp_manager.checkpoint_weights_only)  # before any checkpoint / adapter / cache is read
     from nxd_lc.lightning.preemption import PreemptionCallback
 
@@ -164,6 +167,8 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     # xla/neuron: record the compiled graphs (prewarm manifest, or the check against it), before the first compile
     graph_record = begin_graph_recording(cfg, accelerator, int(os.environ.get("RANK", "0")))
     runtime = init_distributed(accelerator)
+    # one job, one config: every rank's resolved config against rank 0's, before anything is built
+    config_sha = check_same_config(resolved_config_yaml(cfg), config_differences)
     ds = cfg.distributed_strategy
     kv_layout = run_kv_layout(cfg, accelerator)
     ps.initialize_model_parallel(tensor_model_parallel_size=ds.tensor_model_parallel_size,
@@ -184,6 +189,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
         for line in _device_precision(cfg, os.environ):
             log.info("%s", line)
         log.info("log dir: %s", paths.log_dir)
+        log.info("config sha256 %s, the same on all %d ranks", config_sha[:12], runtime.world_size)
         if ds.kv_replicator > 1:
             log.info("KV replicas (kv_replicator %d) laid out %s (distributed_strategy.kv_replica_layout: %s)",
                      ds.kv_replicator, kv_layout, ds.kv_replica_layout)
@@ -214,6 +220,22 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
         # device (XLA's and nccl's groups take no host tensors)
         save_lora_outputs(cfg, move_module(model, runtime.device), paths.log_dir, runtime.rank == 0)
     return trainer
+
+
+def check_processes_per_node(cfg: NxdConfig, environ: Optional[Mapping[str, str]] = None) -> None:
+    """The processes torchrun started on this node (``LOCAL_WORLD_SIZE``) must be ``trainer.devices``: the world
+    size check alone passes 4 processes on one node for ``num_nodes: 2, devices: 2`` (4 = 2 x 2), which Lightning
+    then fails on (``IndexError`` in its device list).
+
+    Raises:
+        ConfigError: naming both numbers and the fix.
+    """
+    local = (os.environ if environ is None else environ).get("LOCAL_WORLD_SIZE")
+    if local is not None and local.strip().isdigit() and int(local) != cfg.trainer.devices:
+        raise ConfigError([f"trainer.devices: {cfg.trainer.devices} processes per node, but torchrun started "
+                           f"{local} on this node (LOCAL_WORLD_SIZE); launch torchrun --nproc_per_node="
+                           f"{cfg.trainer.devices} on each of trainer.num_nodes={cfg.trainer.num_nodes} nodes, or "
+                           f"set trainer.devices={local}"])
 
 
 def _build_and_move(cfg: NxdConfig, runtime: Any) -> tuple[Any, Any]:
@@ -297,6 +319,17 @@ def _shutdown_distributed() -> None:
         dist.destroy_process_group()
 
 
+def _preemption_exit_status(trainer: Any) -> int:
+    """The exit status a finished ``trainer`` asks for: :attr:`PreemptionCallback.exit_status` (0 without a
+    preemption stop, or without a trainer: the dry run)."""
+    from nxd_lc.lightning.preemption import PreemptionCallback
+
+    for callback in getattr(trainer, "callbacks", None) or []:
+        if isinstance(callback, PreemptionCallback):
+            return callback.exit_status
+    return 0
+
+
 def hydra_task(raw: DictConfig) -> None:
     """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2 and a
     preemption signal before the first step into exit status 128 + signum (:class:`StartupInterrupted`); the
@@ -304,7 +337,12 @@ def hydra_task(raw: DictConfig) -> None:
     from nxd_lc.lightning.preemption import StartupInterrupted
 
     try:
-        run(raw)
+        trainer = run(raw)
+        status = _preemption_exit_status(trainer)
+        if status:
+            log.warning("stopped by a preemption after its checkpoint was saved: exit status %d (128 + signal)",
+                        status)
+            raise SystemExit(status)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -19,7 +19,8 @@ from omegaconf import OmegaConf
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.schema import NxdConfig
 
-__all__ = ["MODEL_CONFIG_FILE", "RUN_CONFIG_FILE", "model_config_file", "resolved_config_yaml", "run_record_files"]
+__all__ = ["MODEL_CONFIG_FILE", "RUN_CONFIG_FILE", "config_differences", "flat_keys", "model_config_file",
+           "resolved_config_yaml", "run_record_files"]
 
 #: the resolved run config inside a checkpoint directory ``<root>/<tag>``
 RUN_CONFIG_FILE = "run_config.yaml"
@@ -66,3 +67,26 @@ def run_record_files(cfg: NxdConfig) -> dict[str, str]:
         with open(path, encoding="utf-8") as f:
             files[MODEL_CONFIG_FILE] = f.read()
     return files
+
+
+def flat_keys(prefix: str, value: object) -> dict[str, object]:
+    """``{"a.b": leaf}`` of a nested dict under ``prefix`` (lists and other values are leaves)."""
+    if not isinstance(value, dict):
+        return {prefix: value}
+    out: dict[str, object] = {}
+    for k, v in value.items():
+        out.update(flat_keys(f"{prefix}.{k}" if prefix else str(k), v))
+    return out
+
+
+def config_differences(a: str, b: str, limit: int = 10) -> list[str]:
+    """The dotted keys on which two resolved configs (:func:`resolved_config_yaml` texts) differ, at most ``limit``
+    (and a count of the rest), each as ``"<key>: <a's value> vs <b's value>"``; empty when they are equal."""
+    import yaml
+
+    fa, fb = flat_keys("", yaml.safe_load(a) or {}), flat_keys("", yaml.safe_load(b) or {})
+    keys = [k for k in sorted(set(fa) | set(fb)) if fa.get(k, "<unset>") != fb.get(k, "<unset>")]
+    lines = [f"{k}: {fa.get(k, '<unset>')!r} vs {fb.get(k, '<unset>')!r}" for k in keys[:limit]]
+    if len(keys) > limit:
+        lines.append(f"... and {len(keys) - limit} more keys")
+    return lines

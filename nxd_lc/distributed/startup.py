@@ -64,3 +64,65 @@ def _wave_barrier(wave: int) -> None:
         xm.rendezvous(f"nxd_lc_startup_wave_{wave}")
         return
     collectives.barrier()
+
+
+#: store keys of :func:`check_same_config`: ``<prefix>/<restart>/{hash,text}/<rank>``
+CONFIG_KEY_PREFIX = "nxd_lc_config"
+
+
+def check_same_config(text: str, differences: Callable[[str, str], list[str]]) -> str:
+    """Collective start-up check that every rank runs one config: each rank hashes ``text`` (its resolved config)
+    and compares the hash with rank 0's through the default process group's key-value store (torchrun's
+    rendezvous TCPStore: nothing on the device, no collective on the device's backend); one host vote
+    (:func:`nxd_lc.distributed.collectives.world_max`) then tells every rank whether any differs, and which is the
+    first. Every rank raises the same error, naming the first differing rank, its node (torchrun's
+    ``GROUP_RANK``) and the keys (``differences(rank 0's text, its text)``), before anything is built. Where no
+    store is reachable (a torch without ``distributed_c10d._get_default_store``, torch-xla's DummyStore) the
+    hashes are compared by the vote alone and the error cannot name the keys.
+
+    The keys carry torchrun's restart count (``TORCHELASTIC_RESTART_COUNT``), so a restarted job never reads an
+    earlier round's.
+
+    Returns:
+        The config's SHA-256 (hex), the same on every rank.
+
+    Raises:
+        nxd_lc.config.errors.ConfigError: the ranks' configs differ (every rank raises).
+        torch.distributed.DistStoreError: rank 0's hash did not arrive within the store's timeout.
+    """
+    import hashlib
+    import os
+
+    from nxd_lc.config.errors import ConfigError
+
+    digest = hashlib.sha256(text.encode("utf-8")).hexdigest()
+    if not collectives.is_initialized() or collectives.get_global_world_size() == 1:
+        return digest
+    rank, world = collectives.get_global_rank(), collectives.get_global_world_size()
+    store = None if collectives.xla_store_is_dummy() else collectives.default_store()
+    high, low = int(digest[:15], 16), int(digest[15:30], 16)  # two 60-bit pieces: int64 votes
+    if store is not None:
+        prefix = f"{CONFIG_KEY_PREFIX}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store.set(f"{prefix}/hash/{rank}", digest)
+        store.set(f"{prefix}/text/{rank}", text)
+        store.set(f"{prefix}/node/{rank}", os.environ.get("GROUP_RANK", "?"))
+        differs = store.get(f"{prefix}/hash/0").decode() != digest
+        vote = collectives.world_max([int(differs), world - rank if differs else 0], tag="nxd_lc_config_vote")
+        if not vote[0]:
+            return digest
+        first = world - vote[1]
+        keys = differences(store.get(f"{prefix}/text/0").decode("utf-8"),
+                           store.get(f"{prefix}/text/{first}").decode("utf-8"))
+        detail = "; ".join(keys) if keys else "the texts differ"
+        node = store.get(f"{prefix}/node/{first}").decode()
+        shas = (f"config sha256: rank 0 {store.get(f'{prefix}/hash/0').decode()[:12]}, rank {first} "
+                f"{store.get(f'{prefix}/hash/{first}').decode()[:12]}")
+    else:
+        top = collectives.world_max([high, low, -high, -low], tag="nxd_lc_config_vote")
+        if top[0] == -top[2] and top[1] == -top[3]:
+            return digest
+        first, node, shas = -1, "?", f"this rank's config sha256 {digest[:12]}"
+        detail = "no key-value store to compare the texts through: compare each node's command line"
+    who = f"rank {first} (node {node})" if first >= 0 else "some rank"
+    raise ConfigError([f"one job, one config: {who}'s resolved config differs from rank 0's ({detail}); every "
+                       f"node must start train.py with the same config file and overrides ({shas})"])

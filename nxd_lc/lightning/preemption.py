@@ -15,8 +15,10 @@ key-value store, so the vote never reads a device tensor and the host does not w
 
 When the vote says a signal arrived (on any rank) or a parent died, every rank waits for an asynchronous save in
 flight, saves a complete checkpoint of the step just finished (through the checkpoint callback: its name pattern,
-top-k bookkeeping and atomic publication), and sets ``trainer.should_stop``; ``train.py`` then returns and the
-process exits 0. The work lost is therefore at most the step that was running when the signal arrived; the time to
+top-k bookkeeping and atomic publication), and sets ``trainer.should_stop``; ``train.py`` then returns and every
+process exits with status ``128 + signum`` (:attr:`PreemptionCallback.exit_status`: 143 for SIGTERM, so that every
+torchrun agent stops at once instead of waiting at its exit barrier for the agent the signal reached). The work
+lost is therefore at most the step that was running when the signal arrived; the time to
 exit is the rest of that step plus one save (the README lists measured figures). A second SIGINT raises
 ``KeyboardInterrupt`` at once (for a user who does not want to wait).
 
@@ -104,6 +106,7 @@ class PreemptionCallback(pl.Callback):
         self.save = save
         self.received: Optional[int] = None  # signal number that arrived on this rank
         self.stopped_for: Optional[str] = None  # why training was stopped (after the vote), for the log / tests
+        self.stop_signum: Optional[int] = None  # the agreed signal (the largest voted; SIGHUP for a dead launcher)
         self._sigint_count = 0
         self._previous: dict[int, _Handler] = {}
         self._ppid = os.getppid()
@@ -127,6 +130,15 @@ class PreemptionCallback(pl.Callback):
         if self.received is None:
             self.received = signum
             self._signal_time = time.monotonic()
+
+    @property
+    def exit_status(self) -> int:
+        """The process's exit status after training: 0, or ``128 + signum`` on every rank once a preemption stop
+        was agreed (the signal any rank received; SIGHUP when the launcher died). Not 0 after a preemption save:
+        a torchrun agent whose workers all exit 0 waits up to 300 s at its exit barrier for the other nodes'
+        agents, and the agent the signal reached has already gone; a failed worker makes every agent stop at once.
+        SLURM and Kubernetes read it as the signal that stopped the job."""
+        return 0 if self.stop_signum is None else 128 + self.stop_signum
 
     @property
     def owns_sigterm(self) -> bool:
@@ -201,12 +213,13 @@ class PreemptionCallback(pl.Callback):
         strategy = trainer.strategy
         writing = bool(getattr(strategy, "async_write_running", lambda: False)())
         signalled, orphaned, busy = collectives.world_max(
-            [self.received is not None, self.parent_died(), writing], tag="nxd_lc_step_vote")
+            [self.received or 0, self.parent_died(), writing], tag="nxd_lc_step_vote")
         if not busy and getattr(strategy, "async_save_pending", lambda: False)():
             strategy.publish_async_save()
         if not (signalled or orphaned):
             return
         self.stopped_for = "preemption signal" if signalled else "launcher (torchrun) died"
+        self.stop_signum = int(signalled) if signalled else int(signal.SIGHUP)
         name = signal.Signals(self.received).name if self.received is not None else "another rank's signal"
         log.warning("rank %d: %s (%s) at step %d: saving a checkpoint and stopping", trainer.global_rank,
                     self.stopped_for,
