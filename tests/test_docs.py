@@ -429,3 +429,18 @@ def test_limitations_list_the_keys_the_code_refuses() -> None:
         f"{LIMITATIONS.relative_to(REPO)} is out of step with the source:\n"
         + "".join(f"  refused in the source but not listed: {k} ({', '.join(keys[k])})\n" for k in missing)
         + "".join(f"  listed but no 'not supported yet' message names it: {k}\n" for k in stale))
+
+
+def test_every_module_a_command_names_exists() -> None:
+    """``python -m <module>`` / ``torchrun ... -m <module>`` in the configs' comments, the docs, the README and the
+    example scripts name modules of this repository that exist (``nxd_lc.checkpoint.convert`` did not); found as
+    files, without importing anything."""
+    sources = [*REPO.glob("conf/*.yaml"), *REPO.glob("docs/**/*.md"), REPO / "README.md",
+               *REPO.glob("examples/**/*.sh"), *REPO.glob("benchmarks/**/*.sh")]
+    missing = []
+    for path in sources:
+        for module in sorted(set(re.findall(r"-m\s+(nxd_lc(?:\.\w+)+)", path.read_text(errors="replace")))):
+            base = REPO.joinpath(*module.split("."))
+            if not (base.with_suffix(".py").is_file() or (base / "__main__.py").is_file()):
+                missing.append(f"{path.relative_to(REPO)}: {module}")
+    assert not missing, missing

@@ -52,23 +52,28 @@ def _overrides(tmp: Path) -> list[str]:
             "distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.sequence_parallel=false"]
 
 
-@pytest.fixture(scope="module")
-def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A 2-step SFT run of the demo config's model, shrunk and changed (``TRAINED``), checkpointed at step 2."""
+def run_demo_config(overrides: list[str]) -> None:
+    """``train.py``'s job in this process (one rank of a torchrun launch of one) on the demo config + overrides."""
     from dist_utils import set_launch_env_of_one
     from hydra import compose, initialize_config_dir
 
     from nxd_lc.app.run import _shutdown_distributed, run
 
-    tmp = tmp_path_factory.mktemp("export_run")
     with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        raw = compose(config_name="cpu_tiny_llama_config", overrides=_overrides(tmp))
-    with pytest.MonkeyPatch.context() as mp:
+        raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
+    with pytest.MonkeyPatch.context() as mp:  # its own MonkeyPatch (module-scoped fixtures use it too)
         set_launch_env_of_one(mp.setenv)
         try:
             run(raw)
         finally:
             _shutdown_distributed()
+
+
+@pytest.fixture(scope="module")
+def sft_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A 2-step SFT run of the demo config's model, shrunk and changed (``TRAINED``), checkpointed at step 2."""
+    tmp = tmp_path_factory.mktemp("export_run")
+    run_demo_config(_overrides(tmp))
     return tmp
 
 

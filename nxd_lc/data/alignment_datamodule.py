@@ -268,6 +268,9 @@ class ModelAlignmentDataModule(PretrainingDataModule):
         ValueError: bad sizes / sections (here), or bad data / tokenizer (``setup``), naming the key.
     """
 
+    #: validation comes from data.val_dir only (data.val_fraction is a pretraining key, refused here)
+    VALIDATION_FIX = "add records to data.val_dir, or remove data.val_dir to train without validation"
+
     def __init__(self, data_cfg: DataConfig, alignment_cfg: ModelAlignmentStrategyConfig, *, seq_length: int,
                  seed: int, model_vocab_size: int, data_parallel_rank: int, data_parallel_size: int,
                  global_batch_size: int, tokenizer: PreTrainedTokenizerFast | None = None,

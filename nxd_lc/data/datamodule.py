@@ -285,14 +285,19 @@ class PretrainingDataModule(pl.LightningDataModule):
         ds.check_token_ids(self.model_vocab_size)
         return ds
 
+    #: the advice of a too-small ``data.val_dir`` (each data module's own: only keys it reads)
+    VALIDATION_FIX = ("add validation text to data.val_dir, or remove data.val_dir (validation then holds out "
+                      "data.val_fraction of the training text; data.val_fraction: 0 disables it)")
+
     def _check_val_size(self) -> None:
         if self.val_dataset is None:
             return
         step = self.cfg.micro_batch_size * self.data_parallel_size
         if len(self.val_dataset) < step:
             key = "data.val_dir" if self.cfg.val_dir is not None else "data.val_fraction"
-            fix = ("add validation text (data.val_dir), raise data.val_fraction, or set data.val_fraction: 0 to "
-                   "disable validation")
+            fix = self.VALIDATION_FIX if self.cfg.val_dir is not None else (
+                "raise data.val_fraction, give validation text in data.val_dir, or set data.val_fraction: 0 to "
+                "disable validation")
             if self.cfg.data_prefix is not None:
                 key, fix = "data.splits_string", ("raise the validation share, set data.validation_drop_last: false "
                                                   "(pads it), or give the validation share 0 to disable validation")

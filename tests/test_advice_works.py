@@ -1,0 +1,61 @@
+"""The advice of an error works (issue 50, item 7): the run refused with a too-small validation set is run again
+with the change its message advises, and trains. The SFT message advised ``data.val_fraction: 0``, which SFT then
+refused as a pretraining key."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from tests.test_export_from_run import _overrides
+from tests.test_export_from_run import run_demo_config as _run
+
+
+def _apply(advice: str, overrides: list[str]) -> list[str]:
+    """The overrides with the message's advice applied: ``remove <key>`` -> ``~<key>``, ``set <key>: <value>`` ->
+    ``<key>=<value>``; the advice must be one of those shapes (the test fails on any other)."""
+    removed = re.search(r"remove (data\.\w+)", advice)
+    if removed:  # drop the overrides that set it; delete it from the base config when it came from there
+        key = removed.group(1)
+        setting = [o for o in overrides if o.lstrip("+").startswith(key + "=")]
+        kept = [o for o in overrides if o not in setting]
+        return kept if any(o.startswith("+") for o in setting) else [*kept, f"~{key}"]
+    set_ = re.search(r"set (data\.\w+): (\S+?)\b", advice)
+    assert set_ is not None, advice
+    return [*overrides, f"++{set_.group(1)}={set_.group(2)}"]
+
+
+def test_sft_with_a_tiny_validation_set_follows_its_own_advice(tmp_path: Path) -> None:
+    val = tmp_path / "val.jsonl"
+    val.write_text(json.dumps({"input": "one", "output": "1"}) + "\n")  # 1 packed row < micro batch 2
+    overrides = [*_overrides(tmp_path), f"+data.val_dir={val}", "data.micro_batch_size=2", "data.global_batch_size=2",
+                 "trainer.max_steps=1", "exp_manager.checkpoint_callback_params.every_n_train_steps=100"]
+    with pytest.raises(ValueError, match=r"data\.val_dir: validation gives 1 samples") as info:
+        _run(overrides)
+    assert "val_fraction" not in str(info.value)  # a pretraining key: SFT refuses it
+    _run(_apply(str(info.value), overrides))
+    assert (tmp_path / "run" / "tokenizer").is_dir()
+
+
+def test_pretraining_with_a_tiny_held_out_share_follows_its_own_advice(tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for i in range(4):
+        (corpus / f"d{i}.txt").write_text(f"document {i} " * 200)
+    overrides = ["~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=*.txt",
+                 "data.val_fraction=0.25", "data.tokenizer.vocab_size=300", f"+data.tokenizer.cache_dir={tmp_path}",
+                 "trainer.max_steps=1", "+exp_manager.preemption_signals=[]", "data.micro_batch_size=32",
+                 "data.global_batch_size=32", "model.encoder_seq_length=32", "+model.num_layers=1",
+                 "+model.hidden_size=64", "trainer.val_check_interval=1",
+                 f"exp_manager.explicit_log_dir={tmp_path / 'r'}",
+                 "exp_manager.create_tensorboard_logger=false", "+trainer.enable_progress_bar=false",
+                 "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "trainer.devices=1",
+                 "distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.sequence_parallel=false"]
+    with pytest.raises(ValueError, match=r"data\.val_fraction: validation gives \d+ samples, fewer than "
+                                         r"micro_batch_size x DP = 32") as info:
+        _run(overrides)
+    assert "set data.val_fraction: 0" in str(info.value)
+    _run(_apply(str(info.value), overrides))
