@@ -60,7 +60,7 @@ def _run(log_dir: str, asynchronous: bool) -> dict[int, float]:
     (events,) = glob.glob(os.path.join(log_dir, "tensorboard", "events.out.tfevents.*"))
     acc = EventAccumulator(events)
     acc.Reload()
-    return {e.step + 1: GLOBAL_BATCH / e.value for e in acc.Scalars("throughput/seqs_per_sec")}
+    return {e.step: GLOBAL_BATCH / e.value for e in acc.Scalars("throughput/seqs_per_sec")}
 
 
 def _split(times: dict[int, float]) -> tuple[list[float], list[float]]:

@@ -60,8 +60,8 @@ def _losses(log_dir: str) -> list[dict[int, float]]:
         acc = EventAccumulator(f)
         acc.Reload()
         tags = acc.Tags()["scalars"]
-        # logged during step s (global_step s - 1 then): keyed by the step number s as in the checkpoint names
-        out.append({e.step + 1: e.value for e in acc.Scalars("reduced_train_loss")} if "reduced_train_loss" in tags
+        # TensorBoard's step is the optimizer step s, as in the checkpoint names
+        out.append({e.step: e.value for e in acc.Scalars("reduced_train_loss")} if "reduced_train_loss" in tags
                    else {})
     return out
 

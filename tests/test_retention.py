@@ -61,7 +61,7 @@ def _steps(log_dir: str) -> list[int]:
 
 def _logged_steps(log_dir: str) -> list[list[int]]:
     """Per event file (one per launch, oldest first): the steps whose ``reduced_train_loss`` it holds, in file
-    order. Lightning writes the values of step s at TensorBoard step s - 1."""
+    order. TensorBoard's step is the optimizer step, as in the checkpoint names."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = []
@@ -69,7 +69,7 @@ def _logged_steps(log_dir: str) -> list[list[int]]:
         acc = EventAccumulator(f)
         acc.Reload()
         scalars = acc.Scalars("reduced_train_loss") if "reduced_train_loss" in acc.Tags()["scalars"] else []
-        out.append([e.step + 1 for e in scalars])
+        out.append([e.step for e in scalars])
     return out
 
 

@@ -382,3 +382,4 @@ class NxDPreferenceModel(NxDLanguageModel):
         """Log :meth:`validation_metrics` (``val_loss`` on the progress bar, as the base module)."""
         for name, value in self.validation_metrics().items():
             self.log(name, value, prog_bar=name == "val_loss", rank_zero_only=False, sync_dist=False)
+        self.log_logger_step(int(self.trainer.global_step))  # TensorBoard's step: the optimizer step, as the base

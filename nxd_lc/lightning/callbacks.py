@@ -11,7 +11,9 @@ from typing import Any, Callable, Optional
 import pytorch_lightning as pl
 import torch
 from pytorch_lightning.callbacks import ModelCheckpoint
+from pytorch_lightning.core.saving import save_hparams_to_yaml
 from pytorch_lightning.loggers import TensorBoardLogger
+from pytorch_lightning.utilities import rank_zero_only
 
 from nxd_lc.checkpoint import sharded
 from nxd_lc.checkpoint.xser import load_structure
@@ -161,8 +163,9 @@ def write_step_metrics(trainer: pl.Trainer) -> None:
     (``_TrainingEpochLoop.advance``: callbacks, then ``update_train_step_metrics``), so a checkpoint saved and
     published in that hook is on disk before the scalars of its own step are written: a crash in between loses them
     for good (the restart resumes after that step). Called before a checkpoint is published, this writes them first,
-    exactly as Lightning would (same values, same TensorBoard step, only at ``log_every_n_steps`` steps and not inside
-    a gradient-accumulation window); :class:`NxDTensorBoardLogger` drops Lightning's identical second write. Outside
+    exactly as Lightning would (same values, same TensorBoard step, only at ``log_every_n_steps`` steps and the last
+    step, ``trainer.max_steps``, and not inside a gradient-accumulation window); :class:`NxDTensorBoardLogger` drops
+    Lightning's identical second write. Outside
     ``on_train_batch_end`` of a training step (validation, ``on_train_end``, sanity check) it does nothing.
     Uses Lightning's logger connector (``trainer._logger_connector``, pytorch-lightning 2.x).
     """
@@ -173,7 +176,7 @@ def write_step_metrics(trainer: pl.Trainer) -> None:
     if trainer.fit_loop._should_accumulate() and module.automatic_optimization:
         return
     connector = trainer._logger_connector
-    if connector.should_update_logs:
+    if connector.should_update_logs or 0 < trainer.max_steps <= trainer.global_step:
         connector.log_metrics(connector.metrics["log"])
 
 
@@ -194,16 +197,30 @@ def flush_loggers(trainer: Optional[pl.Trainer]) -> None:
 
 
 class NxDTensorBoardLogger(TensorBoardLogger):
-    """Lightning's TensorBoardLogger writing each (metric, step, value) once.
+    """Lightning's TensorBoardLogger writing each (metric, step, value) once, and ``hparams.yaml`` per launch.
 
     :func:`write_step_metrics` writes a step's values before a checkpoint is published and Lightning writes the
     same values again moments later; the repeat is dropped so that TensorBoard shows one point per metric and step.
     A different value for a metric at a step already written is still written (nothing logged is ever dropped).
+
+    Lightning writes ``hparams.yaml`` only when the file does not exist yet, so a resumed run kept the first
+    launch's (``{}`` before the config was logged); here the first :meth:`save` of each launch rewrites it with the
+    hyperparameters logged (:func:`~nxd_lc.lightning.exp_manager.build_loggers`: the resolved config).
     """
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._last_written: dict[str, tuple[Optional[int], str]] = {}  # metric -> (step, repr(value)) last written
+        self._hparams_saved = False
+
+    @rank_zero_only
+    def save(self) -> None:
+        """Lightning's save (flushes the events), then, once per launch, ``<log_dir>/hparams.yaml`` rewritten with
+        the logged hyperparameters (global rank 0)."""
+        super().save()
+        if not self._hparams_saved and self.hparams and os.path.isdir(self.log_dir):
+            save_hparams_to_yaml(os.path.join(self.log_dir, self.NAME_HPARAMS_FILE), self.hparams)
+            self._hparams_saved = True
 
     def log_metrics(self, metrics: Any, step: Optional[int] = None) -> None:
         """Write ``metrics`` (name -> number or 0-d tensor) at ``step``, minus exact repeats of the last write."""

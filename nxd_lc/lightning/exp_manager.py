@@ -5,6 +5,7 @@ Layout of a run directory (``explicit_log_dir``, else ``exp_dir/name``, default 
     <log_dir>/
       checkpoints/<tag>/{model,optim}/dp_rank_XX_tp_rank_XX_pp_rank_XX.pt[.tensors/]  done  user_content.pt
       tensorboard/events.out.tfevents.*           (create_tensorboard_logger)
+      tensorboard/hparams.yaml                    (the resolved config of the latest launch)
       nxd_lc_log_globalrank-<r>_localrank-<l>.txt (rank 0 only when log_local_rank_0_only, else every rank)
 """
 
@@ -17,11 +18,13 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+from omegaconf import OmegaConf
 from pytorch_lightning.loggers import Logger
 
 from nxd_lc.checkpoint import integrity, sharded
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.errors import ConfigError
+from nxd_lc.config.run_record import resolved_config_yaml
 from nxd_lc.config.schema import NxdConfig
 from nxd_lc.distributed import collectives
 from nxd_lc.lightning.callbacks import NxDModelCheckpoint, NxDTensorBoardLogger
@@ -48,30 +51,44 @@ def experiment_paths(cfg: NxdConfig) -> ExpPaths:
     return ExpPaths(log_dir=log_dir, checkpoint_dir=os.path.join(log_dir, "checkpoints"))
 
 
+_file_handler: Optional[logging.FileHandler] = None  # the run's text log handler (setup_log_files)
+
+
 def setup_log_files(cfg: NxdConfig, paths: ExpPaths, global_rank: int, local_rank: int) -> Optional[str]:
-    """Attach a file handler to the ``nxd_lc`` logger (``log_local_rank_0_only`` decides which ranks write).
+    """Attach a file handler to the ``nxd_lc`` logger (``log_local_rank_0_only`` decides which ranks write), in place
+    of the one an earlier run of this process attached (runs in one process, e.g. tests, would otherwise write each
+    line once per earlier run, into the earlier runs' files too).
 
     Returns:
         The log file path of this rank, or None when this rank writes no file.
     """
+    global _file_handler
+    root = logging.getLogger("nxd_lc")
+    if _file_handler is not None:
+        root.removeHandler(_file_handler)
+        _file_handler.close()
+        _file_handler = None
     if cfg.exp_manager.log_local_rank_0_only and local_rank != 0:
         return None
     os.makedirs(paths.log_dir, exist_ok=True)
     path = os.path.join(paths.log_dir, f"nxd_lc_log_globalrank-{global_rank}_localrank-{local_rank}.txt")
     handler = logging.FileHandler(path)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger("nxd_lc")
     root.addHandler(handler)
+    _file_handler = handler
     root.setLevel(logging.INFO)
     return path
 
 
 def build_loggers(cfg: NxdConfig, paths: ExpPaths) -> list[Logger]:
     """TensorBoard logger when ``create_tensorboard_logger`` (Lightning writes it from global rank 0; one point per
-    metric and step, see :class:`~nxd_lc.lightning.callbacks.NxDTensorBoardLogger`)."""
+    metric and step, see :class:`~nxd_lc.lightning.callbacks.NxDTensorBoardLogger`), with the resolved config as its
+    hyperparameters (``tensorboard/hparams.yaml``, :func:`~nxd_lc.config.run_record.resolved_config_yaml`)."""
     if not cfg.exp_manager.create_tensorboard_logger:
         return []
-    return [NxDTensorBoardLogger(save_dir=paths.log_dir, name="tensorboard", version="", default_hp_metric=False)]
+    logger = NxDTensorBoardLogger(save_dir=paths.log_dir, name="tensorboard", version="", default_hp_metric=False)
+    logger.log_hyperparams(OmegaConf.create(resolved_config_yaml(cfg)))
+    return [logger]
 
 
 def build_checkpoint_callback(cfg: NxdConfig, paths: ExpPaths) -> Optional[NxDModelCheckpoint]:

@@ -35,6 +35,7 @@ micro-batch's backward, after the optimizer step and its metrics, and after each
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Callable, Optional
 
 import pytorch_lightning as pl
@@ -46,11 +47,14 @@ from nxd_lc.data.curriculum import CurriculumStage, curriculum_stages, stage_at
 from nxd_lc.distributed import collectives, grads
 from nxd_lc.distributed import parallel_state as ps
 from nxd_lc.distributed.grads import gradient_bucket_size_mb
+from nxd_lc.lightning.callbacks import write_step_metrics
 from nxd_lc.lightning.nonfinite import NonFiniteStepGuard
 from nxd_lc.models.common.compile import mark_cuda_graph_step
 from nxd_lc.optim import build_optimizer, build_scheduler, install_fp32_grad_accumulation
 from nxd_lc.precision import apply_precision, resolve_precision
 from nxd_lc.runtime import xla as xla_runtime
+
+_log = logging.getLogger(__name__)
 
 
 class NxDLanguageModel(pl.LightningModule):
@@ -82,6 +86,7 @@ class NxDLanguageModel(pl.LightningModule):
                                 if cfg.trainer.check_for_nan_in_loss_and_grad else None)
         self._guard_checked_step = -1
         self._val_loss_sum: Optional[torch.Tensor] = None
+        self._schedule_base_lrs: Optional[list[float]] = None  # peak lr per group, from configure_optimizers
         self.pipeline = self._build_pipeline()
         self.curriculum = curriculum_stages(cfg)  # data.curriculum: RoPE and global batch per stage
         self._stage: Optional[CurriculumStage] = None
@@ -265,6 +270,18 @@ class NxDLanguageModel(pl.LightningModule):
         pair = collectives.all_reduce(pair.clone(), ps.get_data_parallel_group(with_context_parallel=True))
         val_loss = pair[0] / torch.clamp(pair[1], min=1.0)
         self.log("val_loss", val_loss, prog_bar=True, rank_zero_only=False, sync_dist=False)
+        self.log_logger_step(int(self.trainer.global_step))
+
+    def log_logger_step(self, step: int) -> None:
+        """Log ``step``, the number of optimizer steps done (``trainer.global_step`` once Lightning has counted the
+        current one): Lightning's logger connector takes a logged ``step`` as the loggers' x-axis instead of its
+        0-based count of finished steps, so TensorBoard's step is the optimizer step as printed and as in the
+        checkpoint names (1-based; a validation after step 45 at 45). Called in :meth:`_log_step_metrics` (inside
+        ``optimizer_step``, before Lightning counts the step: ``global_step + 1``; so before any
+        ``on_train_batch_end`` hook reads or writes the step's values) and in ``on_validation_epoch_end``. A CPU
+        tensor: nothing is read from the device. ``ModelCheckpoint`` reads the same value for ``{step}`` and
+        ``monitor: step``."""
+        self.log("step", torch.tensor(float(step)), rank_zero_only=False, sync_dist=False)
 
     # ---- optimizer step -------------------------------------------------------------------------------------
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -314,16 +331,64 @@ class NxDLanguageModel(pl.LightningModule):
         self._step_boundary()
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
-        """On XLA, at an optimizer-step boundary where the host reads the device anyway (a logging step, the last
+        """After the last step (``trainer.max_steps``), write its logged values to the loggers, as at every
+        ``log_every_n_steps``-th step (:func:`~nxd_lc.lightning.callbacks.write_step_metrics`; Lightning writes only
+        at those steps, so a run of 7 steps logging every 5 printed step 7 but never wrote it to TensorBoard).
+
+        On XLA, at an optimizer-step boundary where the host reads the device anyway (a logging step, the last
         step), read the non-finite counters (:meth:`NonFiniteStepGuard.check`; raises when the limit was reached).
         Checkpoint saves check in :meth:`on_save_checkpoint`."""
         guard, trainer = self.nonfinite_guard, self.trainer
         step = int(trainer.global_step)
+        if 0 < int(trainer.max_steps) <= step:  # the console prints the last step: TensorBoard gets it too
+            write_step_metrics(trainer)
         if guard is None or not guard.in_graph or step == self._guard_checked_step:
             return
         if step % max(int(self.cfg.trainer.log_every_n_steps), 1) == 0 or step >= int(trainer.max_steps):
             self._guard_checked_step = step
             guard.check()
+
+    def on_train_start(self) -> None:
+        """After Lightning restored a checkpoint: the learning rate of the next step is this run's schedule's
+        (:meth:`apply_run_schedule`)."""
+        self.apply_run_schedule()
+
+    def apply_run_schedule(self) -> None:
+        """Make each step scheduler follow this run's ``model.optim.sched`` from the restored step on.
+
+        Lightning restores the scheduler's state (step count, peak learning rates) and the optimizer's groups
+        (their ``lr``, ``initial_lr``) from the checkpoint, so the first step after a resume ran at the learning
+        rate the *saved* run's schedule gave (after a resume with a larger ``trainer.max_steps``, the old
+        schedule's value at the restored step), and the following ones combined the saved peaks with this run's
+        schedule. Here every ``LambdaLR`` gets this run's peaks back (``base_lrs`` and each group's
+        ``initial_lr``, as :meth:`configure_optimizers` built them) and each group's ``lr`` becomes
+        ``peak x factor(restored step)`` of this run's schedule; one log line names a learning rate that changed.
+        A fresh start is left as it is (the same values). Other schedulers are not touched.
+        """
+        peaks = self._schedule_base_lrs
+        if self._trainer is None or peaks is None:
+            return
+        for config in self.trainer.lr_scheduler_configs:
+            sched = config.scheduler
+            if not isinstance(sched, torch.optim.lr_scheduler.LambdaLR) or len(sched.lr_lambdas) != len(peaks):
+                continue
+            step = int(sched.last_epoch)
+            lrs = [peak * factor(step) for factor, peak in zip(sched.lr_lambdas, peaks)]
+            groups = sched.optimizer.param_groups
+            before = [float(g["lr"]) for g in groups]
+            sched.base_lrs = list(peaks)
+            for group, lr, peak in zip(groups, lrs, peaks):
+                group["initial_lr"] = peak
+                if isinstance(group["lr"], torch.Tensor):  # a capturable optimizer's device learning rate
+                    group["lr"].fill_(lr)
+                else:
+                    group["lr"] = lr
+            sched._last_lr = [g["lr"] for g in groups]
+            if self.trainer.is_global_zero and any(abs(a - b) > 1e-12 * max(abs(a), abs(b), 1.0)
+                                                   for a, b in zip(before, lrs)):
+                _log.info("lr schedule: step %d resumes at lr %.4e of this run's model.optim.sched (max_steps %s; "
+                          "the checkpoint's schedule gave %.4e)", step + 1, lrs[0],
+                          self.cfg.model.optim.sched.max_steps or self.cfg.trainer.max_steps, before[0])
 
     def on_train_end(self) -> None:
         """The run ends: non-finite steps since the last read stop it with an error (XLA; see
@@ -350,6 +415,7 @@ class NxDLanguageModel(pl.LightningModule):
         self.log("consumed_samples", torch.tensor(float(self._consumed_samples_fn())), prog_bar=False,
                  rank_zero_only=False)
         self.log("global_step", torch.tensor(float(self.trainer.global_step)), rank_zero_only=False)
+        self.log_logger_step(int(self.trainer.global_step) + 1)  # Lightning counts the step once this hook returned
         if em.log_gradient_norm and self._grad_norm is not None:
             self.log("gradient_norm", self._grad_norm, prog_bar=False, rank_zero_only=False)
         if em.log_parameter_norm:
@@ -366,5 +432,6 @@ class NxDLanguageModel(pl.LightningModule):
         optimizer = build_optimizer(named, m.optim, m.do_layer_norm_weight_decay, policy=self.precision_policy,
                                     zero1=self.cfg.distributed_strategy.zero1, seed=self.cfg.seed)
         scheduler = build_scheduler(optimizer, m.optim.sched, self.cfg.trainer.max_steps)
+        self._schedule_base_lrs = [float(b) for b in scheduler.base_lrs]  # this run's peaks (a restore replaces them)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 

@@ -19,6 +19,7 @@ import copy
 import logging
 import os
 import threading
+import time
 from typing import Any, Mapping, Optional
 
 import torch
@@ -104,6 +105,7 @@ class NxDStrategy(DDPStrategy):
         self.async_checkpointing = async_checkpointing
         self._async_save: Optional[sharded.StagedSave] = None
         self._async_thread: Optional[threading.Thread] = None
+        self._async_path, self._async_started = "", 0.0  # the pending asynchronous save's path and start time
         self._deferred_removals: list[Any] = []
         self._loaded_tag_dir: Optional[str] = None  # the checkpoint load_checkpoint read (optimizer re-sharding)
 
@@ -192,6 +194,8 @@ class NxDStrategy(DDPStrategy):
         writer = ps.get_expert_data_parallel_rank() == 0 and ps.get_context_parallel_rank() == 0
         if self.async_checkpointing:
             self.finish_async_save()  # at most one save in flight
+        started = time.perf_counter()
+        if self.async_checkpointing:
             model_state, optim_state = map_tensors(model_state, _host_copy), map_tensors(optim_state, _host_copy)
             content = map_tensors(copy.deepcopy(content), _host_copy)
         staged = sharded.stage_checkpoint(
@@ -203,10 +207,21 @@ class NxDStrategy(DDPStrategy):
             staged.write()
             self._flush_loggers()  # before publishing: the checkpoint's own step is logged and on disk first
             staged.publish()
+            self._log_saved(os.path.join(root, tag), started, "saved")
             return
-        self._async_save = staged
+        self._async_save, self._async_started = staged, started
+        self._async_path = os.path.join(root, tag)
         self._async_thread = threading.Thread(target=staged.write, name=f"nxd_lc-save-{tag}", daemon=True)
         self._async_thread.start()
+        if self.is_global_zero:
+            log.info("checkpoint %s: state copied to host memory in %.2f s, written in the background",
+                     self._async_path, time.perf_counter() - started)
+
+    def _log_saved(self, path: str, started: float, how: str) -> None:
+        """One line on global rank 0 for a published checkpoint: its path and the seconds since its save began
+        (``time.perf_counter`` of :meth:`save_checkpoint`'s start)."""
+        if self.is_global_zero:
+            log.info("checkpoint %s %s in %.2f s", path, how, time.perf_counter() - started)
 
     # ---------------------------------------------------------------- asynchronous saves
     def async_write_running(self) -> bool:
@@ -239,6 +254,7 @@ class NxDStrategy(DDPStrategy):
         removals, self._deferred_removals = self._deferred_removals, []
         self._flush_loggers()
         staged.publish()
+        self._log_saved(self._async_path, self._async_started, "published (asynchronous save)")
         for path in removals:
             self.remove_checkpoint(path)
 
