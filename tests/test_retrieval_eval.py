@@ -378,6 +378,18 @@ def test_train_py_logs_retrieval_accuracy_during_training(tmp_path: Any) -> None
         assert [e.step for e in acc.Scalars(tag)] == [2, 4] and all(0 <= v <= 256 for v in values)
 
 
+def tiny_run_config(root: Any, tokenizer: str, hf: str) -> dict[str, Any]:
+    """A one-process run config (seq 128, fp32) over the text files of ``root/text`` (a third held out), with the
+    tokenizer directory ``root/<tokenizer>`` and the model of ``root/<hf>/config.json``."""
+    return {"name": "tiny_retrieval", "trainer": {"devices": 1, "num_nodes": 1, "max_steps": 1},
+            "distributed_strategy": {"tensor_model_parallel_size": 1},
+            "data": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 128,
+                     "train_dir": str(root / "text"), "val_fraction": 0.34,
+                     "tokenizer": {"type": str(root / tokenizer), "cache_dir": str(root / "cache")}},
+            "model": {"model_config": str(root / hf / "config.json"), "encoder_seq_length": 128},
+            "precision": {"type": "fp32"}}
+
+
 @pytest.mark.slow
 def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     """python -m nxd_lc.cli.passkey / nxd_lc.cli.niah on a run config (one process): table, JSON, PNGs; bad
@@ -398,15 +410,8 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     train_bytelevel_bpe(texts, 1000).save_pretrained(str(tmp_path / "tokenizer"))
     hf = _hf_tiny()
     hf.save_pretrained(str(tmp_path / "hf"))
-    raw = {"name": "tiny_retrieval", "trainer": {"devices": 1, "num_nodes": 1, "max_steps": 1},
-           "distributed_strategy": {"tensor_model_parallel_size": 1},
-           "data": {"micro_batch_size": 1, "global_batch_size": 1, "seq_length": 128,
-                    "train_dir": str(tmp_path / "text"), "val_fraction": 0.34,
-                    "tokenizer": {"type": str(tmp_path / "tokenizer"), "cache_dir": str(tmp_path / "cache")}},
-           "model": {"model_config": str(tmp_path / "hf" / "config.json"), "encoder_seq_length": 128},
-           "precision": {"type": "fp32"}}
     (tmp_path / "conf").mkdir()
-    (tmp_path / "conf" / "tiny.yaml").write_text(yaml.safe_dump(raw))
+    (tmp_path / "conf" / "tiny.yaml").write_text(yaml.safe_dump(tiny_run_config(tmp_path, "tokenizer", "hf")))
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -421,6 +426,8 @@ def test_cli_writes_json_and_heatmaps(tmp_path: Any) -> None:
     assert "passkey  generate |" in out.stdout and "passkey      rank |" in out.stdout
     result = json.loads((tmp_path / "pk" / "retrieval.json").read_text())
     assert list(result["tasks"]) == ["passkey"] and result["meta"]["kv_cache"] is True  # auto: TP 1, no CP
+    # hf/ has no tokenizer files: the config's tokenizer, said in the log and recorded
+    assert result["meta"]["tokenizer"]["source"] == "data.tokenizer" and "has no tokenizer files" in out.stdout
     assert [(c["length"], c["depth"], c["n"]) for c in result["tasks"]["passkey"]["cells"]] == [
         (300, 0.0, 1), (300, 1.0, 1), (400, 0.0, 1), (400, 1.0, 1)]
     assert (tmp_path / "pk" / "passkey_heatmap.png").stat().st_size > 1000

@@ -30,6 +30,9 @@ def build_arg_parser() -> argparse.ArgumentParser:
     p.add_argument("--config-name", required=True, help="run config in --config-dir (model, data, seq_length)")
     p.add_argument("--config-dir", default="conf", help="Hydra config directory (default: ./conf)")
     p.add_argument("--hf-dir", default=None, help="HF weights to evaluate (default: the config's model.hf_weights_dir)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory to evaluate with (default: --hf-dir's, which must be the config's "
+                        "data.tokenizer; the config's when --hf-dir has none)")
     p.add_argument("--edges", default="0,2048,8192", help="bucket edges, comma-separated (default 0,2048,8192)")
     p.add_argument("--num-samples", type=int, default=8, help="held-out packed sequences to evaluate (default 8)")
     p.add_argument("--split", choices=("val", "train"), default="val", help="data split (default: val)")
@@ -41,33 +44,40 @@ def build_arg_parser() -> argparse.ArgumentParser:
 
 
 def evaluate_run_config(cfg: Any, hf_dir: str, edges: Sequence[int], num_samples: int,
-                        split: str = "val") -> dict[str, Any]:
+                        split: str = "val", tokenizer_dir: str | None = None) -> dict[str, Any]:
     """Loss by position of the model of run config ``cfg`` with the HF weights in ``hf_dir``.
 
     Builds the model exactly as training does (rope scaling from ``model.hf_config_overrides`` included),
     loads ``hf_dir`` (each rank its TP shard) and evaluates ``num_samples`` held-out packed sequences of
-    ``data.seq_length``. Needs ``torch.distributed`` and ``parallel_state`` initialised for ``cfg``'s layout.
+    ``data.seq_length``, tokenized with the model's tokenizer (:func:`~nxd_lc.eval.tokenizer.evaluation_tokenizer`:
+    ``tokenizer_dir``, else ``hf_dir``'s; recorded in ``meta.tokenizer``). Needs ``torch.distributed`` and
+    ``parallel_state`` initialised for ``cfg``'s layout.
 
     Raises:
-        FileNotFoundError: ``hf_dir`` has no safetensors. ValueError: too few samples, bad edges.
+        FileNotFoundError: ``hf_dir`` has no safetensors. ValueError: too few samples, bad edges, a tokenizer that
+        is not the config's (as :func:`~nxd_lc.eval.tokenizer.evaluation_tokenizer`) or too large for the model.
     """
     import dataclasses
 
     from nxd_lc.app.convert import build_model
+    from nxd_lc.eval.tokenizer import evaluation_tokenizer
 
     if not os.path.isdir(hf_dir):
         raise FileNotFoundError(f"--hf-dir: {hf_dir} does not exist; convert a checkpoint with "
                                 "python -m nxd_lc.cli.convert first")
+    cfg, eval_tok = evaluation_tokenizer(cfg, hf_dir, tokenizer_dir)
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=hf_dir))
     model = build_model(cfg, load_weights=True)
     hf_config = model.config
     model.eval()
+    eval_tok.check_model_vocab(hf_config.vocab_size, cfg.model.model_config)
     batches = heldout_batches(cfg, hf_config.vocab_size, num_samples, split, ps.get_data_parallel_rank(),
                                ps.get_data_parallel_world_size())
     result = loss_by_position(model, batches, edges,
                               context_parallel_algo=cfg.distributed_strategy.context_parallel_algo)
     rope = getattr(hf_config, "rope_scaling", None) or getattr(hf_config, "rope_parameters", None)
-    result["meta"] = {"config": cfg.name, "hf_dir": os.path.abspath(hf_dir), "split": split,
+    result["meta"] = {"config": cfg.name, "hf_dir": os.path.abspath(hf_dir), "tokenizer": eval_tok.record(),
+                      "split": split,
                       "num_samples": num_samples, "seq_length": int(batches[0]["input_ids"].shape[1]),
                       "cross_document_attention": cfg.data.resolved().cross_document_attention, "rope": rope,
                       "tensor_model_parallel_size": ps.get_tensor_model_parallel_world_size(),
@@ -96,7 +106,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not hf_dir:
                 raise ValueError("--hf-dir: not given and the config has no model.hf_weights_dir; nothing to evaluate")
             init_eval_layout(cfg)
-            result = evaluate_run_config(cfg, hf_dir, edges, args.num_samples, args.split)
+            result = evaluate_run_config(cfg, hf_dir, edges, args.num_samples, args.split, args.tokenizer)
     except (ConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """The retrieval evaluation's command line, shared by ``python -m nxd_lc.cli.niah`` and
 ``python -m nxd_lc.cli.passkey``: the run config's model with HF weights, scored over a length x depth grid
-(:mod:`nxd_lc.eval.retrieval`), a table, JSON and heatmaps."""
+(:mod:`nxd_lc.eval.retrieval`), a table, JSON and heatmaps. The haystack is the config's held-out text tokenized
+with the evaluated model's tokenizer (:mod:`nxd_lc.eval.tokenizer`: ``--hf-dir``'s, recorded in the JSON)."""
 
 from __future__ import annotations
 
@@ -32,6 +33,11 @@ def build_arg_parser(prog: str, default_tasks: Sequence[str]) -> Any:
     p.add_argument("--kv-cache", choices=("auto", "on", "off"), default="auto",
                    help="KV cache for generation and ranking: auto (where the layout allows: not CP, SP or PP), on "
                         "(an error where it cannot), off (re-run the whole sequence)")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenizer directory to evaluate with (default: --hf-dir's, which must be the config's "
+                        "data.tokenizer; the config's when --hf-dir has none)")
+    p.add_argument("--progress-interval", type=float, default=10.0,
+                   help="seconds between progress lines (samples done, time left); 0: after every sample")
     p.add_argument("--out", required=True, help="output directory: retrieval.json and one heatmap PNG per task")
     p.add_argument("--label", default="", help="title of the table and plots")
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the run config, key=value")
@@ -63,6 +69,7 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m nxd_lc.cli
     from nxd_lc.config.errors import ConfigError
     from nxd_lc.eval.plots import plot_retrieval_heatmaps
     from nxd_lc.eval.session import eval_layout, eval_session, init_eval_layout
+    from nxd_lc.eval.tokenizer import evaluation_tokenizer
     from nxd_lc.runtime.device import launched_world_size
 
     args = build_arg_parser(prog, default_tasks).parse_args(argv)
@@ -87,19 +94,24 @@ def main(argv: Sequence[str] | None = None, *, prog: str = "python -m nxd_lc.cli
             if not hf_dir or not os.path.isdir(hf_dir):
                 raise ValueError(f"--hf-dir: {hf_dir!r} is not a directory (nor the config's model.hf_weights_dir); "
                                  "convert a checkpoint with python -m nxd_lc.cli.convert first")
+            if args.progress_interval < 0:
+                raise ValueError(f"--progress-interval: must be >= 0 seconds, got {args.progress_interval}")
+            cfg, eval_tok = evaluation_tokenizer(cfg, hf_dir, args.tokenizer)
             init_eval_layout(cfg)
             ds = cfg.distributed_strategy
             cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, hf_weights_dir=hf_dir))
             model = build_model(cfg, load_weights=True)
             model.eval()
+            eval_tok.check_model_vocab(model.config.vocab_size, cfg.model.model_config)
             tokenizer, haystack = heldout_haystack(cfg, model.config.vocab_size, 2 * max(lengths))
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
             result = evaluate_grid(model, tokenizer, haystack, tasks=tasks, lengths=lengths, depths=depths,
                                    num_samples=args.num_samples, vocab_size=model.config.vocab_size, seed=args.seed,
                                    scorings=scorings, pad_id=pad, algo=ds.context_parallel_algo,
                                    sample_kwargs={"num_candidates": args.num_candidates},
-                                   kv_cache={"auto": None, "on": True, "off": False}[args.kv_cache])
-            result["meta"].update(config=cfg.name, hf_dir=os.path.abspath(hf_dir),
+                                   kv_cache={"auto": None, "on": True, "off": False}[args.kv_cache],
+                                   progress_interval_s=args.progress_interval)
+            result["meta"].update(config=cfg.name, hf_dir=os.path.abspath(hf_dir), tokenizer=eval_tok.record(),
                                   tensor_model_parallel_size=ps.get_tensor_model_parallel_world_size(),
                                   context_parallel_size=ps.get_context_parallel_world_size(),
                                   rope=getattr(model.config, "rope_scaling", None))

@@ -21,6 +21,7 @@ the CP group; under DP the samples are split over DP ranks and the counts all-re
 
 from __future__ import annotations
 
+import logging
 import math
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -32,6 +33,8 @@ from nxd_lc.distributed import collectives
 from nxd_lc.distributed import parallel_state as ps
 
 ModelFn = Callable[[torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+log = logging.getLogger(__name__)
 
 SCORINGS = ("generate", "rank")
 #: RULER's threshold for the "effective length": Llama-2-7B's mean score at 4K (85.6%)
@@ -70,6 +73,21 @@ def _cp_sum(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def kv_cache_unavailable(model: Any, use: bool | None = None) -> str | None:
+    """Why :func:`kv_cache_for` gives no cache for ``model`` with ``use`` (None: it gives one).
+
+    Raises:
+        ValueError: ``use=True`` where no cache is possible (says why).
+    """
+    if use is False:
+        return "turned off (--kv-cache off)"
+    why = model.kv_cache_unsupported() if hasattr(model, "kv_cache_unsupported") else \
+        "the model has no KV cache (new_kv_cache)"
+    if why is not None and use:
+        raise ValueError(f"KV cache requested but not available: {why}")
+    return why
+
+
 def kv_cache_for(model: Any, use: bool | None = None) -> Any | None:
     """A fresh KV cache for ``model`` (:meth:`LlamaForCausalLM.new_kv_cache`), or None to run without one.
 
@@ -79,15 +97,7 @@ def kv_cache_for(model: Any, use: bool | None = None) -> Any | None:
     Raises:
         ValueError: ``use=True`` where no cache is possible (says why).
     """
-    if use is False:
-        return None
-    why = model.kv_cache_unsupported() if hasattr(model, "kv_cache_unsupported") else \
-        "the model has no KV cache (new_kv_cache)"
-    if why is None:
-        return model.new_kv_cache()
-    if use:
-        raise ValueError(f"KV cache requested but not available: {why}")
-    return None
+    return model.new_kv_cache() if kv_cache_unavailable(model, use) is None else None
 
 
 def _full_vocab_logits(model: Any, ids: list[int], cache: Any, last: int, device: Any) -> torch.Tensor:
@@ -237,13 +247,89 @@ def score_sample(model: ModelFn, tokenizer: Any, sample: RetrievalSample, vocab_
 
 
 # ------------------------------------------------------------------------------------------------ the grid
+def _global_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+_LOGGED: set[str] = set()
+
+
+def _log_once(message: str) -> None:
+    """Warn ``message`` on global rank 0, once per process (a training run evaluates many times)."""
+    if _global_rank() == 0 and message not in _LOGGED:
+        _LOGGED.add(message)
+        log.warning("%s", message)
+
+
+def _duration(seconds: float) -> str:
+    """``"1h02m"``, ``"3m05s"`` or ``"42s"``."""
+    s = int(round(seconds))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+class GridProgress:
+    """Progress of this rank's samples of a grid, logged on global rank 0: ``retrieval: 3/12 samples (passkey,
+    length 512, depth 0.5), 1m10s elapsed, about 3m30s left``.
+
+    The time left assumes that a sample's cost is proportional to its weight (:func:`evaluate_grid` weighs by
+    context length): elapsed x remaining weight / weight done.
+
+    Args:
+        weights: one per sample, in the order they run (> 0).
+        interval_s: log after a sample when this long has passed since the last line (0: every sample); the
+            last sample is always logged.
+        clock: seconds (``time.monotonic``; tests pass their own).
+    """
+
+    def __init__(self, weights: list[float], interval_s: float = 10.0,
+                 clock: Callable[[], float] | None = None) -> None:
+        import time
+
+        self.weights = list(weights)
+        self.interval_s = interval_s
+        self.clock = clock or time.monotonic
+        self.enabled = _global_rank() == 0
+        self.done = 0
+        self.start = self.last = self.clock()
+        self._weight_done = 0.0
+
+    @property
+    def total(self) -> int:
+        """Samples in all."""
+        return len(self.weights)
+
+    def step(self, what: str) -> str | None:
+        """Record one finished sample (``what``: its cell); return the line logged, or None."""
+        self._weight_done += self.weights[self.done]
+        self.done += 1
+        now = self.clock()
+        if not self.enabled or (now - self.last < self.interval_s and self.done < self.total):
+            return None
+        self.last = now
+        elapsed = now - self.start
+        left = elapsed * (sum(self.weights) - self._weight_done) / max(self._weight_done, 1e-9)
+        line = (f"retrieval: {self.done}/{self.total} samples ({what}), {_duration(elapsed)} elapsed, "
+                + ("done" if self.done == self.total else f"about {_duration(left)} left"))
+        log.info("%s", line)
+        return line
+
+
 def evaluate_grid(model: ModelFn, tokenizer: Any, haystack: Sequence[int], *, tasks: Sequence[str],
                   lengths: Sequence[int], depths: Sequence[float], num_samples: int, vocab_size: int, seed: int = 0,
                   scorings: Sequence[str] = SCORINGS, threshold: float = RULER_THRESHOLD, pad_id: int = 0,
                   algo: str = "ring", device: torch.device | str | None = None,
-                  sample_kwargs: dict[str, Any] | None = None, kv_cache: bool | None = None) -> dict[str, Any]:
+                  sample_kwargs: dict[str, Any] | None = None, kv_cache: bool | None = None,
+                  progress_interval_s: float = 10.0) -> dict[str, Any]:
     """Accuracy of every (task, length, depth) cell with every scoring; collective under a parallel layout (every
     rank calls it with the same arguments; DP ranks split the samples and the counts are all-reduced).
+
+    Logs (global rank 0): at start the samples of this rank and, without a KV cache, why and what it costs
+    (once per process); then progress (:class:`GridProgress`: samples done, elapsed, estimated time left) after a
+    sample at most every ``progress_interval_s`` seconds (0: every sample) and after the last.
 
     Returns:
         ``{"tasks": {task: {"cells": [{"length", "depth", "n", "generate", "rank"}...], "by_length": {scoring:
@@ -258,20 +344,37 @@ def evaluate_grid(model: ModelFn, tokenizer: Any, haystack: Sequence[int], *, ta
             raise ValueError(f"retrieval scoring {s!r} unknown; choose from {', '.join(SCORINGS)}")
     dp = ps.get_data_parallel_world_size() if ps.model_parallel_is_initialized() else 1
     dp_rank = ps.get_data_parallel_rank() if ps.model_parallel_is_initialized() else 0
-    use_cache = kv_cache_for(model, kv_cache) is not None
+    no_cache = kv_cache_unavailable(model, kv_cache)
+    use_cache = no_cache is None
     kw = {"pad_id": pad_id, "algo": algo, "device": device, "kv_cache": use_cache}
     out: dict[str, Any] = {"tasks": {}, "meta": {"lengths": list(lengths), "depths": list(depths), "seed": seed,
                                                    "num_samples": num_samples, "scorings": list(scorings),
-                                                   "threshold": threshold, "kv_cache": use_cache}}
+                                                   "threshold": threshold, "kv_cache": use_cache,
+                                                   "kv_cache_off_reason": no_cache}}
+    mine = list(range(dp_rank, num_samples, dp))
+    progress = GridProgress([float(L) for _ in tasks for L in lengths for _ in depths for _ in mine],
+                            progress_interval_s)
+    if no_cache is not None:
+        num_candidates = (sample_kwargs or {}).get("num_candidates", 10)
+        _log_once(f"retrieval: no KV cache ({no_cache}): every generated token re-runs the forward over the whole "
+                  f"sequence and every candidate one forward over prompt + candidate, so a sample costs about "
+                  f"{'(answer tokens + 4) + ' if 'generate' in scorings else ''}"
+                  f"{num_candidates if 'rank' in scorings else 0} full forwards over its context instead of one "
+                  "prompt forward plus single-token steps")
+    if progress.enabled:
+        log.info("retrieval: %d samples on this rank (%d tasks x %d lengths x %d depths x %d of %d samples), KV "
+                 "cache %s", progress.total, len(tasks), len(lengths), len(depths), len(mine), num_samples,
+                 "on" if use_cache else "off")
     for task in tasks:
         cells = []
         for length in lengths:
             for depth in depths:
                 counts = torch.zeros(1 + len(scorings), dtype=torch.float64)
-                for i in range(dp_rank, num_samples, dp):
+                for i in mine:
                     sample = build_sample(task, tokenizer, haystack, length, depth, seed, i, **(sample_kwargs or {}))
                     res = score_sample(model, tokenizer, sample, vocab_size, scorings, **kw)
                     counts += torch.tensor([1.0] + [float(res[s]) for s in scorings], dtype=torch.float64)
+                    progress.step(f"{task}, length {length}, depth {depth:g}")
                 if dp > 1:
                     collectives.all_reduce(counts, ps.get_data_parallel_group())
                 n = int(counts[0])
