@@ -1,6 +1,7 @@
 """The advice of an error works (issue 50, item 7): the run refused with a too-small validation set is run again
 with the change its message advises, and trains. The SFT message advised ``data.val_fraction: 0``, which SFT then
-refused as a pretraining key."""
+refused as a pretraining key. And what a run writes goes under its run directory: the DPO reference cache was
+written next to the user's data file."""
 
 from __future__ import annotations
 
@@ -59,3 +60,19 @@ def test_pretraining_with_a_tiny_held_out_share_follows_its_own_advice(tmp_path:
         _run(overrides)
     assert "set data.val_fraction: 0" in str(info.value)
     _run(_apply(str(info.value), overrides))
+
+
+def test_the_dpo_reference_cache_goes_under_the_run_directory(tmp_path: Path) -> None:
+    """``train.py``'s DPO with precomputed reference log-probs: the cache is written under ``<log_dir>/ref_logps``;
+    the data's directory holds only the user's files."""
+    data = tmp_path / "data"
+    data.mkdir()
+    rows = [{"prompt": f"what is {i} plus {i}?", "chosen": f"{2 * i}", "rejected": f"{2 * i + 1}"} for i in range(8)]
+    (data / "pairs.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    overrides = [o for o in _overrides(tmp_path) if not o.startswith(("+data.train_dir=", "+model_alignment"))]
+    _run([*overrides, f"+data.train_dir={data / 'pairs.jsonl'}", "trainer.max_steps=1",
+          "+model_alignment_strategy={dpo:{precompute_ref_log_probs:true}}",
+          "exp_manager.checkpoint_callback_params.every_n_train_steps=100"])
+    assert sorted(p.name for p in data.iterdir()) == ["pairs.jsonl"]
+    (cache,) = (tmp_path / "run" / "ref_logps").iterdir()
+    assert cache.name.startswith("pairs.jsonl.ref_logps-") and cache.suffix == ".pt"

@@ -147,7 +147,7 @@ class NxDPreferenceModel(NxDLanguageModel):
         and before ``trainer.fit`` (Lightning restores a resumed checkpoint before ``on_fit_start``, so the
         reference could not be taken there). Idempotent per run: a second call does nothing.
 
-        * ``dpo.precompute_ref_log_probs: true`` -- load the table cached beside ``data.train_dir`` when its key
+        * ``dpo.precompute_ref_log_probs: true`` -- load the table cached in ``cache_dir`` when its key
           matches, else compute it over the train and val pairs (no_grad, eval mode, LoRA disabled, the policy's
           autocast, CP sharding and TP log-probs as in training, split over DP and all-gathered) and cache it
           (:mod:`nxd_lc.alignment.reference`).
@@ -158,7 +158,8 @@ class NxDPreferenceModel(NxDLanguageModel):
         Args:
             datamodule: the :class:`~nxd_lc.data.alignment_datamodule.ModelAlignmentDataModule` (set up here if
                 needed); required for precompute.
-            cache_dir: directory of the cache file instead of the one holding ``data.train_dir``.
+            cache_dir: directory of the cache file (``train.py``: ``<log_dir>/ref_logps``, so the data's
+                directory is never written to); None: the one holding ``data.train_dir``.
         Raises:
             ValueError: precompute without a data module. Collective over all ranks (precompute).
         """

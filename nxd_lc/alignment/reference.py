@@ -15,15 +15,17 @@ of one DP rank run the same batches through the same CP sharding and vocab-paral
 and the blocks are all-gathered over DP so every rank ends with the whole table.
 
 Cache (:func:`reference_cache_path`, :func:`save_reference_tables`, :func:`load_reference_tables`): a ``.pt`` file
-``<train_dir>.ref_logps-<key>.pt`` beside ``data.train_dir``, written atomically (temporary file + ``os.replace``)
-by global rank 0. The key (:func:`reference_fingerprint`) hashes the data files (names, sizes, mtimes), the
-data keys that change the pairs, the tokenizer, ``seq_length``, the prompt cap and truncation mode, the model
-config, a TP-independent checksum of the base weights (:func:`weights_checksum`), ``model.hf_weights_dir`` and
-the precision (parameter and autocast dtypes). All ranks decide together whether the cache is usable, so a rank
-that cannot see the file (another node) makes every rank recompute instead of deadlocking. A damaged cache
-(larger than its tables can be, truncated, random bytes, another run's key or splits, tables of the wrong shape
-or dtype, NaN / infinite values, counts that are not whole numbers >= 0) is never used: a warning names the file
-and the reason, and the tables are recomputed and the file rewritten (:func:`load_reference_tables`).
+``<name of train_dir>.ref_logps-<key>.pt`` in the run directory (``<log_dir>/ref_logps``, the directory
+:func:`nxd_lc.app.run` passes; the data's own directory only when no other is given), written atomically (temporary
+file + ``os.replace``) by global rank 0. The key (:func:`reference_fingerprint`) hashes the data files (names,
+sizes, mtimes), the data keys that change the pairs, the tokenizer, ``seq_length``, the prompt cap and truncation
+mode, the model config, a TP-independent checksum of the base weights (:func:`weights_checksum`),
+``model.hf_weights_dir`` and the precision (parameter and autocast dtypes). All ranks decide together whether the
+cache is usable, so a rank that cannot see the file (another node) makes every rank recompute instead of
+deadlocking. A damaged cache (larger than its tables can be, truncated, random bytes, another run's key or splits,
+tables of the wrong shape or dtype, NaN / infinite values, counts that are not whole numbers >= 0) is never used: a
+warning names the file and the reason, and the tables are recomputed and the file rewritten
+(:func:`load_reference_tables`).
 """
 
 from __future__ import annotations

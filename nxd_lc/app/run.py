@@ -39,6 +39,10 @@ from nxd_lc.runtime.env import apply_env, format_env_table
 
 log = logging.getLogger("nxd_lc.train")
 
+#: the run directory's folder of DPO reference log-prob caches (``model_alignment_strategy.dpo.
+#: precompute_ref_log_probs``): a resume finds them, the user's data directory is never written to
+REFERENCE_CACHE_DIR = "ref_logps"
+
 
 def _setup_console_logging() -> None:
     if not logging.getLogger().handlers:
@@ -206,7 +210,7 @@ def _fit(cfg: NxdConfig, trainer_overrides: dict[str, Any], preemption: Any, rec
     if runtime.rank == 0 and (ckpt_path or weights_path):
         log.info("resuming from %s" if ckpt_path else "initialising weights from %s", ckpt_path or weights_path)
     if hasattr(module, "prepare_reference"):  # DPO: reference log-probs of the initial policy, before any resume
-        module.prepare_reference(data)
+        module.prepare_reference(data, cache_dir=os.path.join(paths.log_dir, REFERENCE_CACHE_DIR))
     if recovery is not None:
         recovery.resumed_from = ckpt_path
     trainer = build_trainer(cfg, runtime, paths, preemption, extra_callbacks=[recovery] if recovery else [],
