@@ -125,6 +125,8 @@ def test_tensorboard_steps_hparams_checkpoint_lines_and_the_resumed_schedule(tmp
         assert printed["loss"] == pytest.approx(second["reduced_train_loss"][step], abs=1e-4)
     assert sorted(second_vals) == sorted(second["val_loss"]) == [6, 8]
     assert "epoch" not in second  # Lightning's epoch scalar is added only without a logged step
+    assert second["global_step"] == {s: float(s) for s in (5, 6, 7, 8)}
+    assert second["consumed_samples"] == {s: 2.0 * s for s in (5, 6, 7, 8)}  # global batch 2
 
     # the resume: every step after it at this run's schedule (max_steps 8), not the checkpoint's (max_steps 5)
     for step in (5, 6, 7, 8):
@@ -148,3 +150,21 @@ def test_tensorboard_steps_hparams_checkpoint_lines_and_the_resumed_schedule(tmp
     assert hparams == run_config
     assert hparams["trainer"]["max_steps"] == 8 and hparams["exp_manager"]["name"] == "renamed_run"
     assert hparams["model"]["optim"]["sched"]["max_steps"] == 8  # interpolations resolved
+
+
+@pytest.mark.slow
+def test_asynchronous_saves_log_the_copy_and_the_publication(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``exp_manager.async_checkpointing``: a line when the save's state is copied to host memory and one when the
+    checkpoint is published, each naming the path, in that order for every checkpoint."""
+    log_dir = tmp_path / "run"
+    _launch(tmp_path, monkeypatch, ["trainer.max_steps=4", "trainer.log_every_n_steps=2",
+                                    "exp_manager.async_checkpointing=true"])
+    text = _console(log_dir)
+    ckpt_root = log_dir / "checkpoints"
+    tags = sorted(t for t in os.listdir(ckpt_root) if (ckpt_root / t / "done").is_file())
+    assert tags == ["renamed_run--step=2-consumed_samples=4.0", "renamed_run--step=4-consumed_samples=8.0"]
+    events = re.findall(r"checkpoint (\S+?):? (state copied to host memory in|published \(asynchronous save\) in) "
+                        r"(\d+\.\d\d) s", text)
+    assert [(os.path.basename(p), what.split()[0]) for p, what, _ in events] == [
+        (tags[0], "state"), (tags[0], "published"), (tags[1], "state"), (tags[1], "published")]
+    assert "saved in" not in text

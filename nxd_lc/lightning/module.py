@@ -414,8 +414,9 @@ class NxDLanguageModel(pl.LightningModule):
         self.log("lr", torch.tensor(optimizer.param_groups[0]["lr"]), prog_bar=True, rank_zero_only=False)
         self.log("consumed_samples", torch.tensor(float(self._consumed_samples_fn())), prog_bar=False,
                  rank_zero_only=False)
-        self.log("global_step", torch.tensor(float(self.trainer.global_step)), rank_zero_only=False)
-        self.log_logger_step(int(self.trainer.global_step) + 1)  # Lightning counts the step once this hook returned
+        done = int(self.trainer.global_step) + 1  # Lightning counts this step once optimizer_step has returned
+        self.log("global_step", torch.tensor(float(done)), rank_zero_only=False)  # as printed (was 1 less)
+        self.log_logger_step(done)
         if em.log_gradient_norm and self._grad_norm is not None:
             self.log("gradient_norm", self._grad_norm, prog_bar=False, rank_zero_only=False)
         if em.log_parameter_norm:
