@@ -11,14 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_export_from_run import _overrides
+from nxd_lc.app.convert import compose_run_config
+from nxd_lc.config.errors import ConfigError
+from tests.test_export_from_run import REPO, _overrides
 from tests.test_export_from_run import run_demo_config as _run
 
 
 def _apply(advice: str, overrides: list[str]) -> list[str]:
     """The overrides with the message's advice applied: ``remove <key>`` -> ``~<key>``, ``set <key>: <value>`` ->
     ``<key>=<value>``; the advice must be one of those shapes (the test fails on any other)."""
-    removed = re.search(r"remove (data\.\w+)", advice)
+    removed = re.search(r"remove (data\.\w+)", advice) or re.match(r"(data\.\w+): .*\bremove it\b", advice)
     if removed:  # drop the overrides that set it; delete it from the base config when it came from there
         key = removed.group(1)
         setting = [o for o in overrides if o.lstrip("+").startswith(key + "=")]
@@ -76,3 +78,41 @@ def test_the_dpo_reference_cache_goes_under_the_run_directory(tmp_path: Path) ->
     assert sorted(p.name for p in data.iterdir()) == ["pairs.jsonl"]
     (cache,) = (tmp_path / "run" / "ref_logps").iterdir()
     assert cache.name.startswith("pairs.jsonl.ref_logps-") and cache.suffix == ".pt"
+
+
+def _refusal_for(overrides: list[str], key: str) -> str:
+    with pytest.raises(ConfigError) as info:
+        compose_run_config("cpu_tiny_llama_config", str(REPO / "conf"), overrides)
+    problems = [p for p in info.value.problems if p.startswith(key + ":")]
+    assert problems, info.value.problems
+    return problems[0]
+
+
+def _data_key_cases() -> list[tuple[str, str, str]]:
+    """(mode, key, value): each data key one kind of run refuses because only the other kind reads it."""
+    from nxd_lc.config.alignment_schema import ALIGNMENT_ONLY_DATA_KEYS, PRETRAINING_ONLY_DATA_KEYS
+
+    values = {"builtin_corpus": "python_stdlib", "val_fraction": "0.1", "text_key": "body",
+              "cross_document_attention": "true",
+              "mixture": "[{name:a,weight:1.0,train_dir:/x}]", "length_upsampling": "{min_length:8,factor:2}",
+              "curriculum": "[{seq_length:32}]", "input_key": "q", "output_key": "a", "dev_choose_samples": "4"}
+    return ([("sft", k, values[k]) for k in PRETRAINING_ONLY_DATA_KEYS]
+            + [("pretraining", k, values[k]) for k in ALIGNMENT_ONLY_DATA_KEYS])
+
+
+@pytest.mark.parametrize(("mode", "key", "value"), _data_key_cases())
+def test_every_wrong_kind_data_key_is_refused_with_advice_that_works(mode: str, key: str, value: str,
+                                                                     tmp_path: Path) -> None:
+    """A data key the run's kind does not read is refused with "remove it"; the config with the key removed (as
+    the advice says: the override deleted, ``~data.<key>`` for a key of the config file) validates."""
+    sft = [f"+data.train_dir={tmp_path / 'x.jsonl'}", "~data.builtin_corpus", "~data.val_fraction",
+           "+model_alignment_strategy={sft:{}}"] if mode == "sft" else []
+    if mode == "sft" and key in ("builtin_corpus", "val_fraction"):
+        overrides = [o for o in sft if o != f"~data.{key}"] + [f"data.{key}={value}"]
+    else:
+        overrides = [*sft, f"++data.{key}={value}"]
+    problem = _refusal_for(overrides, f"data.{key}")
+    assert "remove it" in problem, problem
+    fixed = _apply(problem, overrides)
+    cfg = compose_run_config("cpu_tiny_llama_config", str(REPO / "conf"), fixed)
+    assert (cfg.model_alignment_strategy is None) == (mode == "pretraining")
