@@ -177,7 +177,7 @@ def test_progress_lines_and_time_left() -> None:
 
 
 def test_grid_without_kv_cache_says_why_and_what_it_costs(caplog: pytest.LogCaptureFixture) -> None:
-    """A model without a KV cache (a stub; under CP the reason is LlamaForCausalLM.kv_cache_unsupported's):
+    """A model without a KV cache (a stub with the reason LlamaForCausalLM.kv_cache_unsupported gives under PP):
     the grid says so once, with the cost, records the reason, and logs its progress."""
     from nxd_lc.data.tokenizer import train_bytelevel_bpe
 
@@ -186,7 +186,7 @@ def test_grid_without_kv_cache_says_why_and_what_it_costs(caplog: pytest.LogCapt
 
     class _NoCache:
         def kv_cache_unsupported(self) -> str:
-            return "context parallelism shards the sequence over ranks"
+            return "pipeline parallelism holds the layers on several ranks"
 
         def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, segment_ids: Any) -> torch.Tensor:
             return torch.zeros(*input_ids.shape, len(tok))
@@ -198,10 +198,10 @@ def test_grid_without_kv_cache_says_why_and_what_it_costs(caplog: pytest.LogCapt
                                           num_samples=2, vocab_size=len(tok), progress_interval_s=0,
                                           sample_kwargs={"num_candidates": 4})
     assert res["meta"]["kv_cache"] is False
-    assert res["meta"]["kv_cache_off_reason"] == "context parallelism shards the sequence over ranks"
+    assert res["meta"]["kv_cache_off_reason"] == "pipeline parallelism holds the layers on several ranks"
     msgs = [r.getMessage() for r in caplog.records]
-    why = [m for m in msgs if m.startswith("retrieval: no KV cache (context parallelism")]
+    why = [m for m in msgs if m.startswith("retrieval: no KV cache (pipeline parallelism")]
     assert len(why) == 1 and "(answer tokens + 4) + 4 full forwards" in why[0], why
     assert sum(m.startswith("retrieval: 2/2 samples (passkey, length 200, depth 0.5)") for m in msgs) == 2, msgs
-    with pytest.raises(ValueError, match="context parallelism"):
+    with pytest.raises(ValueError, match="pipeline parallelism"):
         retrieval.kv_cache_for(_NoCache(), True)

@@ -262,14 +262,14 @@ def _layout_worker(rank: int, world: int, hf_dir: str, tp: int, cp: int, expecte
     torch.testing.assert_close(torch.tensor(lps), torch.tensor(expected["logprobs"]), rtol=1e-4, atol=1e-4)
     nxt = retrieval.next_token(model, prompt, 1000, algo="ring")
     assert nxt == expected["next"], (nxt, expected["next"])
-    if cp == 1:  # KV cache (TP heads local): the same log-likelihoods and greedy tokens as transformers
-        cached = candidate_logprobs(model, prompt, conts, kv_cache=True, vocab_size=1000)
-        torch.testing.assert_close(torch.tensor(cached), torch.tensor(expected["logprobs"]), rtol=1e-4, atol=1e-4)
-        assert retrieval.generate_greedy(model, prompt, 8, 1000, kv_cache=True) == expected["greedy"]
-    else:  # CP shards the sequence: auto falls back to full forwards, an explicit request is an error
-        assert retrieval.kv_cache_for(model) is None
-        with pytest.raises(ValueError, match="context parallelism"):
-            retrieval.kv_cache_for(model, True)
+    # KV cache (TP heads local; under CP every rank the unsharded sequence): transformers' log-likelihoods and
+    # greedy tokens; auto takes it at both layouts
+    assert retrieval.kv_cache_for(model) is not None
+    cached = candidate_logprobs(model, prompt, conts, kv_cache=True, vocab_size=1000)
+    torch.testing.assert_close(torch.tensor(cached), torch.tensor(expected["logprobs"]), rtol=1e-4, atol=1e-4)
+    assert retrieval.generate_greedy(model, prompt, 8, 1000, kv_cache=True) == expected["greedy"]
+    uncached = retrieval.generate_greedy(model, prompt, 8, 1000, kv_cache=False, algo="ring")
+    assert uncached == expected["greedy"]
     del tok
 
 

@@ -31,8 +31,9 @@ def build_arg_parser(prog: str, default_tasks: Sequence[str]) -> Any:
     p.add_argument("--num-candidates", type=int, default=10, help="candidates ranked per sample (default 10)")
     p.add_argument("--seed", type=int, default=0, help="sample seed (default 0)")
     p.add_argument("--kv-cache", choices=("auto", "on", "off"), default="auto",
-                   help="KV cache for generation and ranking: auto (where the layout allows: not CP, SP or PP), on "
-                        "(an error where it cannot), off (re-run the whole sequence)")
+                   help="KV cache for generation and ranking: auto (where the layout allows: not SP or PP; under CP "
+                        "each rank runs the unsharded sequence), on (an error where it cannot), off (re-run the "
+                        "whole sequence per token / candidate, sharded under CP)")
     p.add_argument("--tokenizer", default=None,
                    help="tokenizer directory to evaluate with (default: --hf-dir's, which must be the config's "
                         "data.tokenizer; the config's when --hf-dir has none)")

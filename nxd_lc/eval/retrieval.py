@@ -5,8 +5,9 @@ Scoring, both reported:
 
 * ``generate`` — greedy decoding of ``max_new_tokens`` (answer length + 4) and a match when every reference string
   occurs in the output (RULER's ``string_match_all``). With a KV cache (:mod:`nxd_lc.models.common.kv_cache`;
-  the default wherever the layout allows: not under CP, SP or PP) the prompt runs once and each new token alone;
-  without one each new token re-runs the forward over the whole sequence (cost x answer length).
+  the default wherever the layout allows: not under SP or PP; under CP every CP rank runs the unsharded sequence)
+  the prompt runs once and each new token alone; without one each new token re-runs the forward over the whole
+  sequence (cost x answer length).
 * ``rank`` — the log-likelihood of each candidate answer after the prompt (with a KV cache the prompt runs once and
   each candidate over its own tokens; without, one forward per candidate over prompt + candidate); a match
   when the ``k`` best candidates are the ``k`` reference answers (``k`` = 1 except multivalue / variable tracking).
@@ -16,7 +17,9 @@ Layouts: every rank calls the functions with the same samples; the model returns
 ``[B, S, Vp/tp]`` (TP: log-likelihoods via :func:`nxd_lc.layers.parallel_cross_entropy`, next-token argmax over
 the TP-gathered vocabulary); under CP > 1 the (right-padded) sequence is sharded with
 :func:`nxd_lc.context.shard_batch_for_context_parallel` and sums / the last position's logits are all-reduced over
-the CP group; under DP the samples are split over DP ranks and the counts all-reduced.
+the CP group (with a KV cache the sequence is not sharded: every CP rank computes the same logits); under DP the
+samples are split over DP ranks and the counts all-reduced. :func:`evaluate_grid` logs why it runs without a KV
+cache and its progress (samples done, elapsed, time left).
 """
 
 from __future__ import annotations
@@ -80,7 +83,7 @@ def kv_cache_unavailable(model: Any, use: bool | None = None) -> str | None:
         ValueError: ``use=True`` where no cache is possible (says why).
     """
     if use is False:
-        return "turned off (--kv-cache off)"
+        return "--kv-cache off"
     why = model.kv_cache_unsupported() if hasattr(model, "kv_cache_unsupported") else \
         "the model has no KV cache (new_kv_cache)"
     if why is not None and use:
@@ -93,7 +96,8 @@ def kv_cache_for(model: Any, use: bool | None = None) -> Any | None:
 
     Args:
         use: True requires one, False never uses one, None (auto) uses one when the model and layout allow it
-            (a model with ``new_kv_cache``; not CP, SP or PP: :meth:`~LlamaForCausalLM.kv_cache_unsupported`).
+            (a model with ``new_kv_cache``; not SP or PP: :meth:`~LlamaForCausalLM.kv_cache_unsupported`; under
+            CP the sequence is not sharded).
     Raises:
         ValueError: ``use=True`` where no cache is possible (says why).
     """
@@ -361,6 +365,11 @@ def evaluate_grid(model: ModelFn, tokenizer: Any, haystack: Sequence[int], *, ta
                   f"{'(answer tokens + 4) + ' if 'generate' in scorings else ''}"
                   f"{num_candidates if 'rank' in scorings else 0} full forwards over its context instead of one "
                   "prompt forward plus single-token steps")
+    cp = _mp_sizes()[1]
+    if use_cache and cp > 1:
+        _log_once(f"retrieval: KV cache under CP {cp}: every CP rank runs the whole (unsharded) sequence and holds its "
+                  "whole cache (no gradient: the cache plus one layer's activations); --kv-cache off keeps the "
+                  "sequence sharded but re-runs the forward for every generated token and candidate")
     if progress.enabled:
         log.info("retrieval: %d samples on this rank (%d tasks x %d lengths x %d depths x %d of %d samples), KV "
                  "cache %s", progress.total, len(tasks), len(lengths), len(depths), len(mine), num_samples,

@@ -6,9 +6,13 @@ themselves (bottom-right causal; :func:`nxd_lc.context.local.cached_attention`) 
 prompt is run once (prefill) and each generated token, or each candidate continuation, costs one forward over its
 own tokens only. :meth:`KVCache.truncate` drops positions again (re-scoring several continuations of one prompt).
 
-Layouts: tensor parallelism (heads are local to the rank); not context parallelism (the sequence would have to stay
-sharded across ranks) nor sequence parallelism (a decode step of one token cannot be split over TP ranks):
-:meth:`nxd_lc.models.llama.model.LlamaForCausalLM.kv_cache_unsupported` says why.
+Layouts: tensor parallelism (heads are local to the rank). Context parallelism: the sequence is not sharded; every
+CP rank of a replica runs the same whole sequence (its weights are those of the other CP ranks) and keeps the whole
+cache, so the forwards and their logits are the same on every CP rank and attention needs no CP collective (the
+RoPE length all-reduce agrees, every rank having the same positions). Without gradients the memory of a whole
+sequence per rank is the cache plus one layer's activations; the evaluation's ``--kv-cache off`` keeps the
+sequence sharded instead. Not sequence parallelism (a decode step of one token cannot be split over TP ranks) nor
+pipeline parallelism: :meth:`nxd_lc.models.llama.model.LlamaForCausalLM.kv_cache_unsupported` says why.
 """
 
 from __future__ import annotations

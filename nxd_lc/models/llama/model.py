@@ -428,9 +428,11 @@ class LlamaForCausalLM(nn.Module):
         return position_ids
 
     def kv_cache_unsupported(self) -> str | None:
-        """Why this model cannot run with a :class:`KVCache` at the current layout, or None when it can."""
-        if parallel_state.get_context_parallel_world_size() > 1:
-            return "context parallelism shards the sequence over ranks"
+        """Why this model cannot run with a :class:`KVCache` at the current layout, or None when it can.
+
+        Context parallelism can: a forward with a cache attends locally (no CP collective in attention), so every
+        CP rank runs the whole unsharded sequence (the weights are replicated over CP) and holds the whole cache
+        (:mod:`nxd_lc.models.common.kv_cache`)."""
         if self.sequence_parallel and parallel_state.get_tensor_model_parallel_world_size() > 1:
             return "sequence parallelism splits every forward's positions over the TP ranks"
         if any(isinstance(layer, RemoteLayer) for layer in self.layers):
