@@ -205,3 +205,24 @@ def test_grid_without_kv_cache_says_why_and_what_it_costs(caplog: pytest.LogCapt
     assert sum(m.startswith("retrieval: 2/2 samples (passkey, length 200, depth 0.5)") for m in msgs) == 2, msgs
     with pytest.raises(ValueError, match="pipeline parallelism"):
         retrieval.kv_cache_for(_NoCache(), True)
+
+
+def test_already_tokenized_corpus_takes_only_the_configs_tokenizer(bed: dict[str, Path]) -> None:
+    """A corpus of input_ids (a datasets directory) holds data.tokenizer's ids: --tokenizer B is refused there
+    (naming the config's tokenizer), the same tokenizer is accepted and recorded as pretokenized."""
+    import dataclasses
+
+    import datasets
+
+    from nxd_lc.app.convert import compose_run_config
+    from nxd_lc.eval.tokenizer import evaluation_tokenizer
+
+    ids = datasets.Dataset.from_dict({"input_ids": [list(range(i, i + 300)) for i in range(0, 600, 20)]})
+    ids.save_to_disk(str(bed["root"] / "ids"))
+    cfg = compose_run_config("tiny", str(bed["conf"]), [])
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, train_dir=str(bed["root"] / "ids")))
+    with pytest.raises(ValueError, match="already tokenized") as e:
+        evaluation_tokenizer(cfg, str(bed["root"] / "hf_b"), str(bed["root"] / "hf_b"))
+    assert str(bed["root"] / "tok_a") in str(e.value)
+    _, ev = evaluation_tokenizer(cfg, str(bed["root"] / "hf_a"))
+    assert ev.pretokenized and ev.matches_config is True and ev.source == "--hf-dir"
