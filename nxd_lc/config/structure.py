@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from nxd_lc.config.errors import ConfigError
+from nxd_lc.config.interpolation import interpolation_problems
 from nxd_lc.config.resolvers import register_resolvers
 from nxd_lc.config.schema import KEY_ALIASES, MOVED_KEYS, NxdConfig
 from nxd_lc.config.sft_style_layout import map_sft_style_layout
@@ -169,10 +170,14 @@ def to_container(raw: DictConfig | Mapping[str, Any]) -> dict[str, Any]:
     """Resolve interpolations (``${multiply:...}``, ``${trainer.max_steps}``) into a plain dict.
 
     Raises:
-        ConfigError: an interpolation cannot be resolved (names the key).
+        ConfigError: an interpolation cannot be resolved (names the key), or resolving them would take more than
+            :data:`~nxd_lc.config.interpolation.MAX_INTERPOLATION_RESOLUTIONS` node resolutions (checked first).
     """
     register_resolvers()
     cfg = raw if isinstance(raw, DictConfig) else OmegaConf.create(dict(raw))
+    too_costly = interpolation_problems(OmegaConf.to_container(cfg, resolve=False))
+    if too_costly:
+        raise ConfigError(too_costly)
     try:
         return OmegaConf.to_container(cfg, resolve=True)  # type: ignore[return-value]
     except OmegaConfBaseException as e:
