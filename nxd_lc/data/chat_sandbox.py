@@ -7,7 +7,7 @@ nor memory: ``{{ 'x' * 10**9 }}`` allocates gigabytes and two nested ``range(100
 
 :class:`BoundedSandbox` is that environment (the same settings, globals, ``tojson`` filter and ``{% generation %}``
 tag as transformers' ``apply_chat_template``, which :class:`SandboxedChatTemplate` reproduces for ``tokenize=False``)
-with two bounds per rendering (:class:`RenderLimits`):
+with three bounds per rendering (:class:`RenderLimits`):
 
 * time: every loop iteration, call, filter, intercepted operator and output chunk checks a deadline;
 * size: every value the template creates (operator and ``~`` results, call and filter results, joined macro / block
@@ -20,6 +20,9 @@ with two bounds per rendering (:class:`RenderLimits`):
   tuple / dict literal builds it and when an operator, call or filter returns it: ``[ns.a, ns.a]`` repeated doubles
   what printing, comparing or a filter would walk, so such a structure stops at the budget while it is built (the
   walk that follows it -- ``str()``, ``==`` -- is C code no deadline can interrupt).
+
+* output: the rendered text of one record may hold at most ``max_output_chars + output_chars_per_input_char`` x
+  its input characters (1 Mi + 8 per character by default): it is tokenized next, at ~110 bytes per character.
 
 A template that recurses without bound (``RecursionError``) or exhausts memory (``MemoryError``) also stops with
 :class:`ChatTemplateLimitError`.
@@ -57,11 +60,19 @@ class RenderLimits:
         max_chars: characters (list / dict items: one each) the values a rendering creates may total, plus
             ``chars_per_input_char`` per character of the record's messages and tools.
         chars_per_input_char: budget added per input character (templates copy each message a few times).
+        max_output_chars: characters the rendered text of one record may hold, plus ``output_chars_per_input_char``
+            per character of its messages and tools: what is rendered is tokenized next, at ~110 bytes of memory
+            per character (a template emitting a 31.5 M-character system prompt, within ``max_chars``, took 14 s
+            and 3.7 GB per record).
+        output_chars_per_input_char: output allowed per input character (templates print each message about once;
+            the tools' JSON a little more).
     """
 
     max_seconds: float = 10.0
     max_chars: int = 64 * 2**20
     chars_per_input_char: int = 32
+    max_output_chars: int = 2**20
+    output_chars_per_input_char: int = 8
 
 
 class ChatTemplateLimitError(ValueError):
@@ -438,13 +449,21 @@ class SandboxedChatTemplate:
         input_chars = _deep_size([chat, tools], self.limits.max_chars)
         total = self.limits.max_chars + self.limits.chars_per_input_char * input_chars
         budget = _Budget(time.monotonic() + self.limits.max_seconds, total, self.limits, total)
+        output_bound = self.limits.max_output_chars + self.limits.output_chars_per_input_char * input_chars
         token = _BUDGET.set(budget)
         try:
-            chunks = []
+            chunks, length = [], 0
             for chunk in self.template.generate(**self.special_tokens, messages=chat, tools=tools, documents=None,
                                                 add_generation_prompt=add_generation_prompt):
                 budget.tick()
                 budget.spend(chunk, "the template's output")
+                length += len(chunk)
+                if length > output_bound:
+                    raise ChatTemplateLimitError(
+                        f"the rendered text passed {output_bound:,} characters, the bound per record "
+                        f"(RenderLimits.max_output_chars {self.limits.max_output_chars:,} + "
+                        f"{self.limits.output_chars_per_input_char} per character of its messages and tools, "
+                        f"{input_chars:,}); the template adds text the record does not hold")
                 chunks.append(chunk)
             return "".join(chunks)
         except RecursionError:

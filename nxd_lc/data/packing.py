@@ -42,6 +42,7 @@ import torch
 import torch.utils.data
 
 from nxd_lc.config.access import resolve_path
+from nxd_lc.data.long_text import encode_documents
 from nxd_lc.data.sources import DocumentSource, iter_documents
 from nxd_lc.data.tokenizer import build_once, tokenizer_fingerprint
 
@@ -67,22 +68,11 @@ def tokenize_documents(texts: Iterable[str], tokenizer: PreTrainedTokenizerFast,
                        batch_size: int = 64) -> Iterator[np.ndarray]:
     """Token ids of each text, in order, as int32 arrays (no special tokens added).
 
-    Uses the fast backend's batched ``encode_batch_fast`` (parallel in Rust, no offsets).
+    Uses the fast backend's batched ``encode_batch_fast`` (parallel in Rust, no offsets) in bounded memory: a long
+    document is tokenized in pieces, a batch holds a bounded number of characters
+    (:func:`nxd_lc.data.long_text.encode_documents`).
     """
-    backend = tokenizer.backend_tokenizer
-    batch: list[str] = []
-    for text in texts:
-        batch.append(text)
-        if len(batch) == batch_size:
-            yield from _encode(backend, batch)
-            batch = []
-    if batch:
-        yield from _encode(backend, batch)
-
-
-def _encode(backend: Any, batch: list[str]) -> Iterator[np.ndarray]:
-    for enc in backend.encode_batch_fast(batch, add_special_tokens=False):
-        yield np.asarray(enc.ids, dtype=np.int32)
+    return encode_documents(texts, tokenizer.backend_tokenizer, batch_size)
 
 
 def pack_token_stream(docs: Iterable[Sequence[int] | np.ndarray], seq_length: int,

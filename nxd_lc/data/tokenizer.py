@@ -41,6 +41,7 @@ from typing import TYPE_CHECKING, Any
 from nxd_lc.config.access import resolve_path
 from nxd_lc.config.input_files import read_json, read_text
 from nxd_lc.config.schema import TokenizerConfig
+from nxd_lc.data.long_text import text_pieces
 from nxd_lc.runtime import faults
 
 if TYPE_CHECKING:
@@ -131,15 +132,18 @@ def _remove(path: str) -> None:
 
 
 def _limited_texts(texts: Iterable[str], max_bytes: int) -> Iterator[str]:
-    """Yield texts until ``max_bytes`` UTF-8 bytes were produced (the last text is cut at the limit)."""
+    """Yield texts until ``max_bytes`` UTF-8 bytes were produced (the last text is cut at the limit), a long text
+    in pieces (:func:`nxd_lc.data.long_text.text_pieces`: the BPE trainer's memory grows with one input's length;
+    cut at whitespace, the trainer's word counts are the same)."""
     budget = max_bytes
     for text in texts:
-        data = text.encode("utf-8")
-        if len(data) >= budget:
-            yield data[:budget].decode("utf-8", errors="ignore")
-            return
-        budget -= len(data)
-        yield text
+        for piece in text_pieces(text):
+            data = piece.encode("utf-8")
+            if len(data) >= budget:
+                yield data[:budget].decode("utf-8", errors="ignore")
+                return
+            budget -= len(data)
+            yield piece
 
 
 def train_bytelevel_bpe(texts: Iterable[str], vocab_size: int) -> PreTrainedTokenizerFast:
