@@ -101,17 +101,39 @@ def test_nxdt_zeros_beside_mixed_precision_are_overridden_and_logged_once(caplog
     monkeypatch.delenv("RANK", raising=False)
     with caplog.at_level("INFO", logger="nxd_lc"):
         load_config(_cp1(precision={"type": "mixed_precision", **NXDT_PRECISION_KEYS}))
-    lines = [r.getMessage() for r in caplog.records if "is overridden by precision.type" in r.getMessage()]
-    # NxDT's mixed_precision runs with XLA_DOWNCAST_BF16=1: only that key differs from the YAML's '0'
-    assert lines == ["config: precision.xla_downcast_bf16 '0' is overridden by precision.type mixed_precision, which "
-                     "uses '1' (these keys are read only with precision.type manual)"]
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("config: precision.")]
+    # NxDT's mixed_precision runs with XLA_DOWNCAST_BF16=1: only that key differs from the YAML's '0'; the line says
+    # what the environment table sets (0: nxd_lc casts explicitly), not NxDT's 1
+    assert lines == ["config: precision.xla_downcast_bf16 '0' is not read: precision.type mixed_precision decides the "
+                     "dtypes (NxDT sets XLA_DOWNCAST_BF16=1 for it; nxd_lc casts explicitly and sets "
+                     "XLA_DOWNCAST_BF16=0, as its environment table shows; these keys are read only with "
+                     "precision.type manual)"]
+    from nxd_lc.runtime.env import desired_env
+
+    table = {var: value for _, var, value in desired_env(load_config(_cp1(precision={"type": "mixed_precision"})))}
+    assert table["XLA_DOWNCAST_BF16"] == "0" and "XLA_DOWNCAST_BF16=0, as its environment table shows" in lines[0]
+
+
+def test_stochastic_rounding_override_names_the_variable_the_table_sets(caplog: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """mixed_precisionSR sets NEURON_RT_STOCHASTIC_ROUNDING_EN=1 in the environment table: the override line of the
+    YAML's '0' says that value."""
+    from nxd_lc.runtime.env import desired_env
+
+    monkeypatch.delenv("RANK", raising=False)
+    with caplog.at_level("INFO", logger="nxd_lc"):
+        cfg = load_config(_cp1(precision={"type": "mixed_precisionSR", **NXDT_PRECISION_KEYS}))
+    table = {var: value for _, var, value in desired_env(cfg)}
+    line = next(r.getMessage() for r in caplog.records if "neuron_rt_stochastic_rounding_en" in r.getMessage())
+    assert table["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    assert "overridden by precision.type mixed_precisionSR, which sets NEURON_RT_STOCHASTIC_ROUNDING_EN=1" in line
 
 
 def test_override_is_logged_by_rank_zero_only(caplog: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RANK", "1")
     with caplog.at_level("INFO", logger="nxd_lc"):
         load_config(_cp1(precision={"type": "mixed_precision", **NXDT_PRECISION_KEYS}))
-    assert "is overridden" not in caplog.text
+    assert "precision.xla_downcast_bf16" not in caplog.text
 
 
 @pytest.mark.parametrize("precision_type,key", [

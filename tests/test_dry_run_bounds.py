@@ -148,7 +148,8 @@ def test_num_workers_is_bounded_by_the_cpus_per_rank(tmp_path: Path, devices: in
     assert f"set data.num_workers <= {bound}" in problem and f"trainer.devices={devices}" in problem, problem
     # the dry run (maybe a login node smaller than the training nodes) lists it, under a headline that says so
     report = dry_run(load_config(raw)).splitlines()
-    assert report[0].endswith("but launching it on this host would stop (the end lists why)"), report[0]
+    assert report[0].endswith("but launching it on this host would stop (1 problem(s), listed at the end; exit "
+                              "status 3)"), report[0]
     assert report[-1] == f"#   - at launch: {problem}", report[-1]
     ok = _with_run_dir(_raw(path, devices=devices, data={"num_workers": bound}), explicit_log_dir=str(tmp_path))
     assert _launch_problems(ok) == []
@@ -166,7 +167,9 @@ def _launch_problems(raw: dict[str, Any]) -> list[str]:
 
 
 def _with_run_dir(raw: dict[str, Any], **exp_manager: Any) -> dict[str, Any]:
-    return {**raw, "data": {**raw["data"], "builtin_corpus": "python_stdlib"}, "exp_manager": exp_manager}
+    """``raw`` with what a launch needs besides the run directory ``exp_manager`` (data and a tokenizer)."""
+    return {**raw, "data": {**raw["data"], "builtin_corpus": "python_stdlib", "tokenizer": {"type": "bytelevel_bpe"}},
+            "exp_manager": exp_manager}
 
 
 @pytest.mark.parametrize("where", ["/proc/nxd_lc_run", "/proc"])

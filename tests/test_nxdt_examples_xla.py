@@ -104,7 +104,10 @@ def _dry_run(config_dir: Path, name: str, overrides: list[str]) -> tuple[str, Nx
     out = io.StringIO()
     with pytest.MonkeyPatch.context() as mp, redirect_stdout(out):
         mp.setattr(run_module, "dry_run", recording)
-        assert run_module.run(raw) is None
+        try:
+            assert run_module.run(raw) is None
+        except run_module.LaunchWouldStop as e:  # printed first; train.py exits 3
+            assert e.problems == seen[-1][0].launch_problems
     assert len(seen) == 1, "the dry run did not report"
     assert seen[0][0] in out.getvalue(), out.getvalue()[-2000:]  # printed (log lines may surround it)
     return seen[0]

@@ -146,13 +146,28 @@ def _check_outputs(tmp_path: Path, steps: int, log: str) -> None:
     assert "NEURON_EXTRACT_GRAPHS_ONLY='1' (neuron_parallel_compile): graph extraction" in log, log[-3000:]
 
 
-@pytest.mark.slow
-def test_extraction_job_on_cpu(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """Lane 1 (eager host path): without the change this run trained 50 steps, saved checkpoints and stopped at
-    step 3 with NonFiniteTrainingError."""
-    with caplog.at_level(logging.INFO, logger="nxd_lc"):
-        steps = extraction_job(str(tmp_path), "cpu")
-    _check_outputs(tmp_path, steps, caplog.text)
+def test_extraction_on_cpu_is_refused_before_anything_is_built(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """On cpu there is no Neuron compiler: the variable set (a leftover export, or neuron_parallel_compile around a
+    CPU config) trained 3 steps with no checkpoint and no resume, rc 0, logging that values read back are not real
+    (false on CPU). It is refused at launch, naming the variable, what the run would skip and the fix; nothing is
+    written (no run directory, no cache)."""
+    from hydra import compose, initialize_config_dir
+
+    from nxd_lc.app.run import run
+    from nxd_lc.config.errors import ConfigError
+
+    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
+        raw = compose(config_name="cpu_tiny_llama_config", overrides=_overrides(tmp_path, "cpu"))
+    monkeypatch.setenv(GRAPHS_ONLY_ENV, "1")
+    with pytest.raises(ConfigError) as e:
+        run(raw)
+    (problem,) = e.value.problems
+    assert problem.startswith("NEURON_EXTRACT_GRAPHS_ONLY='1' (neuron_parallel_compile's graph extraction) is set, "
+                              "but trainer.accelerator cpu runs on cpu on this host, which has no Neuron compiler"), \
+        problem
+    assert "train 10 optimizer step(s) of trainer.max_steps 50, save no checkpoint and not resume" in problem
+    assert "unset it to train here" in problem
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
 
 
 @pytest.mark.xla

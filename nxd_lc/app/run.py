@@ -4,16 +4,21 @@
 (DESIGN.md principle 4) and nothing in the config is changed from environment variables.
 
 Dry run: ``python train.py --config-name X +dry_run=true`` validates the config (schema and cross-field rules for
-its own world size ``trainer.devices * trainer.num_nodes``), prints the resolved config, the environment it would
-set and any key whose feature is not supported yet, and exits without building anything.
+its own world size ``trainer.devices * trainer.num_nodes``), prints a summary (layout, precision, memory estimate,
+the environment it would set) and what a launch on this host would stop with (keys not supported yet, the launch
+checks of :func:`nxd_lc.app.validation.path_problems`), writes the resolved config to a file whose path it prints,
+and exits without building anything. Exit status (``train.py``): 0 the launch would pass its checks, 2 the config is
+invalid (the error lists every problem), 3 the config is valid but a launch on this host would stop (listed).
 """
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
+import re
 import sys
-from dataclasses import asdict
+import tempfile
 from typing import Any, Mapping, Optional
 
 import pytorch_lightning as pl
@@ -50,24 +55,71 @@ def _setup_console_logging() -> None:
     logging.getLogger("nxd_lc").setLevel(logging.INFO)
 
 
-def dry_run(cfg: NxdConfig) -> str:
-    """Report for ``+dry_run=true``: resolved config, environment table, not-yet-supported keys, missing paths."""
+class LaunchWouldStop(ConfigError):
+    """A dry run of a valid config found what a launch on this host would stop with (``problems``); ``train.py``
+    exits with status 3 (:func:`hydra_task`) after the report is printed."""
+
+
+class DryRunReport(str):
+    """The dry run's report (the text printed) with ``launch_problems``: what a launch on this host would stop with
+    (empty: it would pass its checks)."""
+
+    launch_problems: list[str]
+
+    def __new__(cls, text: str, launch_problems: list[str]) -> DryRunReport:
+        report = super().__new__(cls, text)
+        report.launch_problems = list(launch_problems)
+        return report
+
+
+def dry_run(cfg: NxdConfig) -> DryRunReport:
+    """Report for ``+dry_run=true`` (module docstring): the summary first (layout, precision, memory estimate,
+    environment table), then the file the resolved config was written to (:func:`write_resolved_config`), then what
+    a launch on this host would stop with. Builds nothing and changes no environment variable.
+
+    Returns:
+        The report text, with its ``launch_problems`` (:class:`DryRunReport`).
+    """
     env = dict(os.environ)  # a copy: the dry run changes nothing
     table = format_env_table(apply_env(cfg, environ=env))
     ds = cfg.distributed_strategy
-    lines = ["# nxd_lc dry run: config is valid", OmegaConf.to_yaml(OmegaConf.structured(asdict(cfg))),
+    problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
+    headline = ("# nxd_lc dry run: config is valid" if not problems else
+                f"# nxd_lc dry run: config is valid, but launching it on this host would stop ({len(problems)} "
+                "problem(s), listed at the end; exit status 3)")
+    lines = [headline,
              f"# world size {cfg.trainer.devices * cfg.trainer.num_nodes} = TP {ds.tensor_model_parallel_size} x "
              f"PP {ds.pipeline_model_parallel_size} x CP {ds.context_parallel_size} x DP {data_parallel_size(cfg)};"
              f" seq_length {seq_length(cfg)}", *_kv_layout_note(cfg),
              f"# {resolve_precision(cfg).describe()}", *(f"# {line}" for line in _device_precision(cfg, env)),
              *(f"# {line}" for line in memory_report(cfg)), *_compile_note(cfg),
-             "# environment it would set (variables already set in the environment win):", table]
-    problems = unsupported_features(cfg) + [f"at launch: {p}" for p in path_problems(cfg)]
+             "# environment it would set (variables already set in the environment win):", table,
+             write_resolved_config(cfg)]
     if problems:
-        lines[0] = "# nxd_lc dry run: config is valid, but launching it on this host would stop (the end lists why)"
         lines.append("# launching this config would stop with:")
         lines += [f"#   - {p}" for p in problems]
-    return "\n".join(lines)
+    return DryRunReport("\n".join(lines), problems)
+
+
+def write_resolved_config(cfg: NxdConfig, directory: Optional[str] = None) -> str:
+    """Write the resolved config (:func:`~nxd_lc.config.run_record.resolved_config_yaml`: every key, defaults
+    included, the text a launch records as ``run_config.yaml``) to ``<directory>/nxd_lc-dry-run-<name>-<sha12>.yaml``
+    (``directory`` default: the system's temporary directory; the name's characters other than letters, digits,
+    ``.``, ``_`` and ``-`` become ``_``; ``sha12``: the text's SHA-256, so a rerun of the same config rewrites the same
+    file) and return the dry run's line naming it. A file that cannot be written is said in the line, not raised:
+    the dry run's answer does not depend on it."""
+    text = resolved_config_yaml(cfg)
+    name = re.sub(r"[^A-Za-z0-9._-]", "_", str(cfg.name))[:64] or "config"
+    path = os.path.join(directory or tempfile.gettempdir(),
+                        f"nxd_lc-dry-run-{name}-{hashlib.sha256(text.encode()).hexdigest()[:12]}.yaml")
+    try:
+        partial = f"{path}.{os.getpid()}.tmp"
+        with open(partial, "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(partial, path)
+    except OSError as e:
+        return f"# resolved config ({text.count(chr(10))} lines): not written to {path} ({e.strerror or e})"
+    return f"# resolved config ({text.count(chr(10))} lines, every key with its default): {path}"
 
 
 def _kv_layout_note(cfg: NxdConfig) -> list[str]:
@@ -112,6 +164,7 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
 
     Raises:
         ConfigError: any config problem, all listed, before anything is built.
+        LaunchWouldStop: a dry run (printed first) that found what a launch on this host would stop with.
     """
     _setup_console_logging()
     from nxd_lc.runtime.device import launched_world_size
@@ -120,7 +173,10 @@ def run(raw: DictConfig | Mapping[str, Any], trainer_overrides: Optional[dict[st
                                    "dry_run", default=False))
     cfg = load_config(raw, world_size=None if is_dry else launched_world_size(), check_paths=not is_dry)
     if cfg.dry_run:
-        print(dry_run(cfg))
+        report = dry_run(cfg)
+        print(report)
+        if report.launch_problems:  # after the report: train.py exits 3 (hydra_task)
+            raise LaunchWouldStop(report.launch_problems)
         return None
     check_supported(cfg)
     check_processes_per_node(cfg)
@@ -335,7 +391,8 @@ def _preemption_exit_status(trainer: Any) -> int:
 
 
 def hydra_task(raw: DictConfig) -> None:
-    """The ``@hydra.main`` body (``train.py``): run, turning a ConfigError into a message and exit status 2 and a
+    """The ``@hydra.main`` body (``train.py``): run, turning a dry run that found launch problems
+    (:class:`LaunchWouldStop`) into exit status 3, a ConfigError into a message and exit status 2 and a
     preemption signal before the first step into exit status 128 + signum (:class:`StartupInterrupted`); the
     process groups are released at the end, whatever the outcome."""
     from nxd_lc.lightning.preemption import StartupInterrupted
@@ -347,6 +404,10 @@ def hydra_task(raw: DictConfig) -> None:
             log.warning("stopped by a preemption after its checkpoint was saved: exit status %d (128 + signal)",
                         status)
             raise SystemExit(status)
+    except LaunchWouldStop as e:
+        print(f"error: the dry run found {len(e.problems)} problem(s) a launch on this host would stop with (listed "
+              "above); exit status 3", file=sys.stderr)
+        raise SystemExit(3) from None
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

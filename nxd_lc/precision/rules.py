@@ -43,13 +43,23 @@ def precision_env_overrides(cfg: NxdConfig) -> list[tuple[str, str, str]]:
     return out
 
 
+def _override_line(precision_type: str, key: str, value: str, used: str) -> str:
+    """The line of one overridden precision key, in the terms of the environment table: the XLA bf16 flags are set to
+    '0' whatever the type (:mod:`nxd_lc.runtime.env`: the type's bf16 parameters are explicit casts), so only what
+    the type means is said; NEURON_RT_STOCHASTIC_ROUNDING_EN is set to the type's value."""
+    if key == "neuron_rt_stochastic_rounding_en":
+        return (f"precision.{key} '{value}' is overridden by precision.type {precision_type}, which sets "
+                f"NEURON_RT_STOCHASTIC_ROUNDING_EN={used} (these keys are read only with precision.type manual)")
+    return (f"precision.{key} '{value}' is not read: precision.type {precision_type} decides the dtypes (NxDT sets "
+            f"{key.upper()}={used} for it; nxd_lc casts explicitly and sets {key.upper()}=0, as its environment table "
+            "shows; these keys are read only with precision.type manual)")
+
+
 def log_precision_overrides(cfg: NxdConfig) -> list[str]:
     """Log (info, global rank 0 only) each precision key a non-manual ``precision.type`` overrides; returns the
     lines (every rank). NxDT's examples set all three to '0' beside ``mixed_precision``, which uses '1' for
     ``xla_downcast_bf16``: that is overridden, not an error (a '1' the type turns off is, see validation)."""
-    lines = [f"precision.{key} '{value}' is overridden by precision.type {cfg.precision.type}, which uses '{used}' "
-             f"(these keys are read only with precision.type manual)" for key, value, used in
-             precision_env_overrides(cfg)]
+    lines = [_override_line(cfg.precision.type, key, value, used) for key, value, used in precision_env_overrides(cfg)]
     if os.environ.get("RANK", "0") == "0":
         for line in lines:
             log.info("config: %s", line)

@@ -41,6 +41,12 @@ run's: the in-graph non-finite selection is still traced, only its read-back is 
 steps (``log_every_n_steps`` >= 10, or a long validation pattern) is cut at 10 with a warning: graphs first met
 after step 10 compile in the training run.
 
+What the launch refuses (:func:`graph_extraction_problems`, before anything is built; the dry run lists it): the
+variable set on a run that resolves to ``cpu`` / ``gpu`` on its host (no Neuron compiler: nothing would be extracted,
+and the run would silently train a few steps without checkpoints or resume), and a value that reads as off
+(``0``, ``false``, ``no``, ``off``), which NxD counts as set: it is unclear which the user meant, and the two differ
+in everything the run writes. ``neuron_parallel_compile`` sets ``1``; unset the variable to train.
+
 On Neuron (``trainer.accelerator: neuron`` or ``xla`` with ``PJRT_DEVICE=NEURON``, and the native device) no graph
 manifest is recorded at all: torch-xla's persistent cache, which records it, has not been verified through
 Neuron's PJRT plugin (:func:`begin_graph_recording` logs why). The Neuron compiler's own cache at
@@ -71,7 +77,7 @@ log = logging.getLogger(__name__)
 
 __all__ = ["EXTRACT_MAX_STEPS", "GRAPHS_ONLY_ENV", "GRAPH_RECORD_SUBDIR", "PREWARM_MIN_STEPS",
            "begin_graph_recording", "check_run_graphs", "end_graph_recording", "extracting_graphs", "finish_prewarm",
-           "prewarm_config", "prewarm_schedule", "prewarm_steps", "run_prewarm"]
+           "graph_extraction_problems", "prewarm_config", "prewarm_schedule", "prewarm_steps", "run_prewarm"]
 
 #: Sub-directory of ``compiler_cache_url`` holding the per-run graph record directories.
 GRAPH_RECORD_SUBDIR = "nxd_lc_graphs"
@@ -92,6 +98,37 @@ def extracting_graphs(environ: Optional[Mapping[str, str]] = None) -> bool:
     (default ``os.environ``), as neuronx-distributed tests it (``os.environ.get(..., None)`` for truth: ``0`` counts
     as set, an empty value does not). Values read back from the device are then not real (module docstring)."""
     return bool((os.environ if environ is None else environ).get(GRAPHS_ONLY_ENV))
+
+
+#: Values of :data:`GRAPHS_ONLY_ENV` that read as "off" but that NxD counts as set (refused at launch).
+_OFF_SPELLINGS = ("0", "false", "no", "off")
+
+
+def graph_extraction_problems(cfg: NxdConfig, environ: Optional[Mapping[str, str]] = None) -> list[str]:
+    """The launch's refusals of :data:`GRAPHS_ONLY_ENV` in ``environ`` (default ``os.environ``; module docstring):
+    set on a run whose ``trainer.accelerator`` resolves to cpu / gpu on this host, or set to a value that reads as
+    off. Each names the variable, what the extraction run would skip and the fix; empty when unset (or empty)."""
+    env = os.environ if environ is None else environ
+    if not extracting_graphs(env):
+        return []
+    from nxd_lc.runtime.device import config_runtime
+
+    value, acc = env[GRAPHS_ONLY_ENV], cfg.trainer.accelerator
+    skips = (f"it would train {prewarm_config(cfg, EXTRACT_MAX_STEPS).trainer.max_steps} optimizer step(s) of "
+             f"trainer.max_steps {cfg.trainer.max_steps}, save no checkpoint and not resume")
+    if value.strip().lower() in _OFF_SPELLINGS:
+        return [f"{GRAPHS_ONLY_ENV}={value!r}: set, so graph extraction is on (neuronx-distributed and NxDT count any "
+                f"non-empty value as set); {skips}; unset it to train (unset {GRAPHS_ONLY_ENV}), or set it to 1 "
+                "for neuron_parallel_compile's extraction pass"]
+    if config_runtime(acc) == "host":
+        import torch
+
+        where = "gpu" if acc == "gpu" or (acc == "auto" and torch.cuda.is_available()) else "cpu"
+        return [f"{GRAPHS_ONLY_ENV}={value!r} (neuron_parallel_compile's graph extraction) is set, but "
+                f"trainer.accelerator {acc} runs on {where} on this host, which has no Neuron compiler: nothing "
+                f"would be extracted, and {skips}; unset it to train here (+prewarm=true is the prewarm pass off "
+                "Neuron), or run neuron_parallel_compile on a Trainium host (trainer.accelerator neuron or xla)"]
+    return []
 
 
 def _validation_interval(cfg: NxdConfig) -> Optional[int]:
@@ -270,10 +307,11 @@ def run_prewarm(cfg: NxdConfig, fit: Callable[[NxdConfig], Any]) -> Any:
         log.info("prewarm: %d optimizer step(s), no checkpoints, no TensorBoard, no resume", pcfg.trainer.max_steps)
         return fit(pcfg)
     pcfg, wanted = prewarm_config(cfg, EXTRACT_MAX_STEPS), prewarm_steps(cfg)
-    log.info("%s=%r (neuron_parallel_compile): graph extraction, values read back are not real: %d optimizer "
-             "step(s) (trainer.max_steps %s; the prewarm schedule, at most NxDT's %d), no checkpoints, no "
-             "TensorBoard, no resume, no graph manifest, no non-finite / loss checks", GRAPHS_ONLY_ENV,
-             os.environ[GRAPHS_ONLY_ENV], pcfg.trainer.max_steps, cfg.trainer.max_steps, EXTRACT_MAX_STEPS)
+    log.warning("%s=%r (neuron_parallel_compile): graph extraction, values read back are not real: %d optimizer "
+                "step(s) of trainer.max_steps %s (the prewarm schedule, at most NxDT's %d), no checkpoints (none is "
+                "saved), no resume (an existing checkpoint is not loaded), no TensorBoard, no graph manifest, no "
+                "non-finite / loss checks; unset %s to train", GRAPHS_ONLY_ENV, os.environ[GRAPHS_ONLY_ENV],
+                pcfg.trainer.max_steps, cfg.trainer.max_steps, EXTRACT_MAX_STEPS, GRAPHS_ONLY_ENV)
     if wanted > pcfg.trainer.max_steps:
         log.warning("the prewarm schedule of this config has %d steps (log_every_n_steps %d, validation every %s); "
                     "neuron_parallel_compile runs %d: graphs first met after step %d compile in the training run",

@@ -26,6 +26,7 @@ from nxd_lc.app.validation.data import (
     sft_style_problems,
 )
 from nxd_lc.app.validation.data import path_problems as input_path_problems
+from nxd_lc.app.validation.launch import launch_problems
 from nxd_lc.app.validation.memory import estimate_memory, position_problems
 from nxd_lc.app.validation.memory_judgement import memory_estimate_problems
 from nxd_lc.app.validation.model import (
@@ -99,12 +100,14 @@ def cross_field_problems(cfg: NxdConfig, world_size: int | None = None) -> list[
 
 
 def path_problems(cfg: NxdConfig) -> list[str]:
-    """What the launch host must have (``load_config(check_paths=True)``, on every rank at launch; the dry run lists
-    them, being possibly another host, e.g. a login node): the input paths
+    """What the launch needs on its host (``load_config(check_paths=True)``, on every rank at launch; the dry run lists
+    them, being possibly another host, e.g. a login node, and exits 3): the input paths
     (:func:`nxd_lc.app.validation.data.path_problems`), the run directory
-    (:func:`nxd_lc.app.validation.resources.run_dir_problems`) and the CPUs for ``data.num_workers``
-    (:func:`nxd_lc.app.validation.resources.num_workers_problems`)."""
-    return input_path_problems(cfg) + run_dir_problems(cfg) + num_workers_problems(cfg)
+    (:func:`nxd_lc.app.validation.resources.run_dir_problems`), the CPUs for ``data.num_workers``
+    (:func:`nxd_lc.app.validation.resources.num_workers_problems`) and the keys the launch path reads that the
+    cross-field rules leave open (:func:`nxd_lc.app.validation.launch.launch_problems`: the tokenizer, CUDA graphs on
+    ``auto``, ``NEURON_EXTRACT_GRAPHS_ONLY``)."""
+    return input_path_problems(cfg) + run_dir_problems(cfg) + num_workers_problems(cfg) + launch_problems(cfg)
 
 
 def memory_report(cfg: NxdConfig) -> list[str]:

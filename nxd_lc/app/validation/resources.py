@@ -16,12 +16,22 @@ key, the bound and the fix.
   (:func:`dataset_size_problems`): Megatron indexed data (``data.data_prefix``) holds at most
   ``(tokens - 1) // seq_length`` samples per prefix of its training blend (``tokens``: the ``.bin`` file's bytes
   over the token width in ``.idx``'s header; no scan), so a global batch above their sum can never be drawn.
-  Tokenized text's size is known only once it is built: there the sampler's refusal names the key
-  (:class:`~nxd_lc.data.sampler.PretrainingSampler`).
+  Pretraining text (``data.train_dir`` or ``data.builtin_corpus``; no ``data.mixture`` or ``data.curriculum``),
+  whose exact size is known only once it is tokenized (the sampler's refusal names the key then:
+  :class:`~nxd_lc.data.sampler.PretrainingSampler`), is bounded from its files' bytes before anything is built
+  (:func:`text_samples_bound`): a token stands for at least one byte of text except where a tokenizer's normalizer
+  expands characters (NFKC's largest expansion, U+FDFA's 3 bytes to 18 characters, is 12 tokens per byte even with
+  byte fallback) and the few special tokens of a document (at most :data:`TOKENS_PER_FILE_BOUND` per file, one
+  document per text file; a JSON line or dataset row takes at least 2 bytes of its file), so a stream holds at most
+  :data:`TOKENS_PER_BYTE_BOUND` tokens per byte plus :data:`TOKENS_PER_FILE_BOUND` per file, times
+  ``length_upsampling.factor`` rounded up; a global batch above ``(tokens - 1) // seq_length`` samples can never be
+  drawn (a ``data.global_batch_size`` of 10^12 on a small corpus was accepted by the dry run and refused only after
+  the model was built).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import struct
 import tempfile
@@ -31,8 +41,13 @@ import numpy as np
 from nxd_lc.config.access import data_parallel_size, resolve_path, seq_length
 from nxd_lc.config.schema import NxdConfig
 
-__all__ = ["cpus_per_rank", "dataset_size_problems", "megatron_tokens", "num_workers_problems", "run_dir_problems",
-           "writable_dir_problem"]
+__all__ = ["TOKENS_PER_BYTE_BOUND", "TOKENS_PER_FILE_BOUND", "cpus_per_rank", "dataset_size_problems",
+           "megatron_tokens", "num_workers_problems", "run_dir_problems", "text_samples_bound", "writable_dir_problem"]
+
+#: Most tokens any tokenizer makes of one byte of text (module docstring: 12 for NFKC's largest expansion).
+TOKENS_PER_BYTE_BOUND = 16
+#: Most tokens a document adds beyond its bytes (bos, eos, a prefix space), counted once per file.
+TOKENS_PER_FILE_BOUND = 4
 
 
 def _available_cpus() -> int:
@@ -147,13 +162,71 @@ def _alignment_records_problem(cfg: NxdConfig) -> list[str]:
             "records"]
 
 
+def _text_files(cfg: NxdConfig) -> tuple[str, list[str]] | None:
+    """``(key, files)`` of the pretraining text source as the data module resolves it
+    (:func:`nxd_lc.data.sources.resolve_source`; a ``datasets`` directory: every file under it), or None when it
+    cannot be resolved (reported by the path checks at launch)."""
+    from nxd_lc.data.sources import builtin_source, resolve_source
+
+    d = cfg.data
+    try:
+        if d.train_dir is not None:
+            src = resolve_source(d.train_dir, file_glob=d.file_glob, text_key=d.resolved().text_key)
+        elif d.builtin_corpus is not None:
+            src = builtin_source(d.builtin_corpus)
+        else:
+            return None
+    except (OSError, ValueError):
+        return None
+    key = "data.train_dir" if d.train_dir is not None else "data.builtin_corpus"
+    if src.kind != "datasets":
+        return key, list(src.files)
+    return key, [os.path.join(root, name) for root, _, names in os.walk(src.files[0]) for name in names]
+
+
+def text_samples_bound(cfg: NxdConfig) -> tuple[int, str] | None:
+    """``(samples, what)``: more training samples than pretraining text can ever pack into at the run's
+    ``seq_length`` (module docstring), with a description of the files counted; None where it is not bounded here
+    (alignment, Megatron data, a mixture or curriculum, no source or length)."""
+    d, s = cfg.data, seq_length(cfg)
+    if cfg.model_alignment_strategy is not None or d.data_prefix is not None or d.mixture or d.curriculum \
+            or not s or s < 1:
+        return None
+    found = _text_files(cfg)
+    if found is None:
+        return None
+    key, files = found
+    try:
+        size = sum(os.path.getsize(f) for f in files)
+    except OSError:
+        return None
+    up = dict(d.length_upsampling or {})
+    factor = up.get("factor", 1)
+    repeat = math.ceil(factor) if isinstance(factor, (int, float)) and math.isfinite(factor) and factor >= 1 else 1
+    tokens = repeat * (TOKENS_PER_BYTE_BOUND * size + TOKENS_PER_FILE_BOUND * len(files))
+    what = f"{key}: {size} bytes in {len(files)} file(s)" + (f", length_upsampling x{repeat}" if repeat > 1 else "")
+    return max(0, (tokens - 1) // s), what
+
+
+def _text_size_problem(cfg: NxdConfig) -> list[str]:
+    """``data.global_batch_size`` above :func:`text_samples_bound`."""
+    bound = text_samples_bound(cfg)
+    if bound is None or cfg.data.global_batch_size <= bound[0]:
+        return []
+    samples, what = bound
+    return [f"data.global_batch_size: {cfg.data.global_batch_size} exceeds the samples the training text can hold at "
+            f"seq_length {seq_length(cfg)}: fewer than {samples + 1} ({what}; at most {TOKENS_PER_BYTE_BOUND} tokens "
+            "per byte, whatever the tokenizer); lower data.global_batch_size (the exact count is known once the text "
+            "is tokenized, and a batch above it is refused then), add data or lower data.seq_length"]
+
+
 def dataset_size_problems(cfg: NxdConfig) -> list[str]:
     """``data.global_batch_size`` above the samples the training set can hold, where that is known before the build
-    (module docstring: Megatron indexed data whose files are readable, an alignment ``.jsonl`` file's records;
-    silent otherwise)."""
+    (module docstring: Megatron indexed data whose files are readable, an alignment ``.jsonl`` file's records, a
+    bound on pretraining text; silent otherwise)."""
     d, s = cfg.data, seq_length(cfg)
     if d.data_prefix is None or not s or s < 1:
-        return _alignment_records_problem(cfg)
+        return _alignment_records_problem(cfg) + _text_size_problem(cfg)
     from nxd_lc.data.megatron_dataset import parse_data_prefix
 
     try:

@@ -86,6 +86,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import re
 from typing import TYPE_CHECKING, Any, Sequence
 
@@ -102,9 +103,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EAGER_ONLY_PLANS", "MemoryPlan", "OFFLOAD_PLANS", "PLAN_ORDER", "PlanShape", "apply_kernels_and_memory",
-           "budget_problem", "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes", "estimate_split",
-           "model_plan_shape", "offload_allowed", "parse_budget", "recompute_parts"]
+__all__ = ["EAGER_ONLY_PLANS", "MAX_BUDGET_BYTES", "MemoryPlan", "OFFLOAD_PLANS", "PLAN_ORDER", "PlanShape",
+           "apply_kernels_and_memory", "budget_problem", "RECOMPUTE_PARTS", "choose_memory_plan", "estimate_bytes",
+           "estimate_split", "model_plan_shape", "offload_allowed", "parse_budget", "recompute_parts"]
 
 #: the plans, fastest first (module docstring)
 PLAN_ORDER = ("none", "selective", "full_save_attention", "full_save_attention_offload", "full", "full_tiled_mlp",
@@ -130,6 +131,9 @@ _SELECTIVE = frozenset({"norm", "mlp"})  # the planner's selective plan: RMSNorm
 _BUDGET_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*(GiB|MiB|GB|MB)\s*$", re.IGNORECASE)
 _UNITS = {"gib": 2**30, "mib": 2**20, "gb": 10**9, "mb": 10**6}
 KEY = "model.activations_memory_budget"
+#: The largest size budget accepted (1 EiB: above every device's memory by far; a larger or non-finite size, e.g. a
+#: 400-digit number, overflowed the integer byte limit with a raw ``OverflowError``).
+MAX_BUDGET_BYTES = 2**60
 
 
 @dataclasses.dataclass(frozen=True)
@@ -207,23 +211,37 @@ class MemoryPlan:
 
 
 def parse_budget(value: Any) -> tuple[str, float]:
-    """``("fraction", f)`` for a number in (0, 1], ``("bytes", n)`` for ``"<N>GiB"`` / ``MiB`` / ``GB`` / ``MB``.
+    """``("fraction", f)`` for a number in (0, 1], ``("bytes", n)`` for ``"<N>GiB"`` / ``MiB`` / ``GB`` / ``MB`` of at
+    most :data:`MAX_BUDGET_BYTES`.
 
     Raises:
-        ValueError: anything else (names the key and both forms).
+        ValueError: anything else, a size above :data:`MAX_BUDGET_BYTES` or not finite included (names the key and
+            both forms).
     """
+    shown = _shown(value)
     if isinstance(value, bool):
-        raise ValueError(f"{KEY}: {value!r} is not a budget; give a fraction in (0, 1] or a size like '40GiB'")
+        raise ValueError(f"{KEY}: {shown} is not a budget; give a fraction in (0, 1] or a size like '40GiB'")
     if isinstance(value, (int, float)):
         if 0 < value <= 1:
             return "fraction", float(value)
-        raise ValueError(f"{KEY}: {value!r}: a number is a fraction of the no-recomputation activations and must be "
+        raise ValueError(f"{KEY}: {shown}: a number is a fraction of the no-recomputation activations and must be "
                          "in (0, 1]; give an absolute size as a string, e.g. '40GiB'")
     match = _BUDGET_RE.match(str(value))
     if not match or float(match.group(1)) <= 0:
-        raise ValueError(f"{KEY}: {value!r} is not a budget; give a fraction in (0, 1] or a positive size like "
+        raise ValueError(f"{KEY}: {shown} is not a budget; give a fraction in (0, 1] or a positive size like "
                          "'40GiB' / '512MiB'")
-    return "bytes", float(match.group(1)) * _UNITS[match.group(2).lower()]
+    size = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(size) or size > MAX_BUDGET_BYTES:
+        raise ValueError(f"{KEY}: {shown} is more than any device's memory (the bound is {MAX_BUDGET_BYTES // 2**60} "
+                         "EiB); give the budget the device has, e.g. '40GiB', or the fraction 1 to keep every "
+                         "activation")
+    return "bytes", size
+
+
+def _shown(value: Any, limit: int = 48) -> str:
+    """``repr(value)``, cut to about ``limit`` characters (a 400-digit value would fill the error line)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit - 8]}... ({len(text)} characters)"
 
 
 def budget_problem(value: Any) -> str | None:
