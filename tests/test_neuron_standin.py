@@ -1,0 +1,158 @@
+"""Trn2 / Trn3's native-device path run for real on a stand-in ``neuron`` device (issue 51,
+:mod:`tests.neuron_standin`: a PrivateUse1 backend renamed ``neuron``, host memory, CPU kernels, a ``neuron``
+process-group and compile backend).
+
+Every test runs in child processes: registering a PrivateUse1 backend is process-wide and cannot be undone (it
+would become every later test's ``torch.accelerator``). The job runs through ``train.py`` with
+``PYTHONPATH=tests/neuron_standin/pkgs`` (a ``torch_neuronx`` that installs the stand-in, so nxd_lc takes its
+native-device path as on Trn2) and is compared with the same job on the CPU: the reference is an independent
+device, the values are the CPU run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+STANDIN_PATH = f"{REPO}{os.pathsep}{REPO / 'tests' / 'neuron_standin' / 'pkgs'}"
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+
+pytestmark = pytest.mark.lane1_only  # torch >= 2.10 (the native device's torch); lane 2 is torch 2.9 + torch-xla
+
+
+def _env(devices: int = 1) -> dict[str, str]:
+    return dict(os.environ, PYTHONPATH=STANDIN_PATH, NXD_LC_STANDIN_DEVICES=str(devices), OMP_NUM_THREADS="1",
+                PYTHONUNBUFFERED="1")
+
+
+_SEMANTICS = r'''
+import json, torch
+import torch_neuronx  # the test bed's: installs the stand-in
+from tests.neuron_standin import counters, reset_counters
+from nxd_lc.runtime import accel
+from nxd_lc.layers.param_attrs import move_module
+from nxd_lc.distributed import parallel_state as ps
+
+out = {"accelerator": str(torch.accelerator.current_accelerator()), "native": accel.native_neuron_available()}
+x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+w = torch.randn(8, 3, generator=torch.Generator().manual_seed(1), requires_grad=True)
+xd, wd = x.to("neuron"), w.detach().to("neuron").requires_grad_(True)
+y, yd = torch.tanh(x @ w).sum(), torch.tanh(xd @ wd).sum()
+y.backward(); yd.backward()
+out["device_type"] = yd.device.type
+out["forward_equal"] = bool(torch.equal(y, yd.cpu()))
+out["grad_equal"] = bool(torch.equal(w.grad, wd.grad.cpu())) and wd.grad.device.type == "neuron"
+torch.manual_seed(7); a = torch.randn(16, device="neuron")
+torch.manual_seed(7); b = torch.randn(16, device="neuron")
+torch.manual_seed(8); c = torch.randn(16, device="neuron")
+out["rng_reproducible"] = bool(torch.equal(a.cpu(), b.cpu())) and not bool(torch.equal(a.cpu(), c.cpu()))
+torch.neuron.manual_seed(7); d = torch.randn(16, device="neuron")  # the device module's seed alone
+out["device_seed"] = bool(torch.equal(a.cpu(), d.cpu()))
+with torch.autocast("neuron", dtype=torch.bfloat16):
+    out["autocast_dtype"] = str((xd @ wd).dtype)
+out["compiled_equal"] = bool(torch.equal(torch.compile(lambda t: torch.tanh(t @ wd), backend="neuron")(xd).cpu(),
+                                         torch.tanh(xd @ wd).detach().cpu()))
+# parallel attributes across the device move: nxd_lc's move keeps them, a plain .to() does not on this device
+from nxd_lc.layers import ColumnParallelLinear
+ps.initialize_model_parallel(tensor_model_parallel_size=1)
+kept = move_module(ColumnParallelLinear(8, 4, bias=False), "neuron")
+plain = ColumnParallelLinear(8, 4, bias=False).to("neuron")
+out["move_module_keeps"] = hasattr(kept.weight, "tensor_model_parallel") and kept.weight.device.type == "neuron"
+out["plain_to_keeps"] = hasattr(plain.weight, "tensor_model_parallel")
+reset_counters()
+z = xd * 2
+z.cpu()
+out["copies_of_one_read"] = {k: v for k, v in counters().items() if k in ("host_to_device", "device_to_host")}
+print("RESULT " + json.dumps(out))
+'''
+
+
+def _result(out: subprocess.CompletedProcess) -> dict:
+    m = re.search(r"^RESULT (.*)$", out.stdout, re.M)
+    assert m, out.stdout[-3000:] + out.stderr[-3000:]
+    return json.loads(m.group(1))
+
+
+def test_the_standin_is_a_device_torch_and_nxd_lc_see_as_trainium() -> None:
+    """Built (or loaded from its cache) in a fresh process: ``torch.accelerator`` reports ``neuron``, nxd_lc's
+    detection finds the native device, ops and gradients equal the CPU's bit for bit, RNG follows
+    ``torch.manual_seed``, autocast gives bf16, the ``neuron`` compile backend runs; nxd_lc's device move keeps the
+    parallel attributes where a plain ``.to()`` loses them (the XLA path's defect, DESIGN principle 17)."""
+    out = subprocess.run([sys.executable, "-c", _SEMANTICS], cwd=REPO, env=_env(), capture_output=True, text=True,
+                         timeout=900, check=False)
+    r = _result(out)
+    assert r["accelerator"] == "neuron" and r["native"] and r["device_type"] == "neuron", r
+    assert r["forward_equal"] and r["grad_equal"] and r["rng_reproducible"] and r["device_seed"], r
+    assert r["compiled_equal"], r
+    assert r["autocast_dtype"] == "torch.bfloat16", r
+    assert r["move_module_keeps"] and not r["plain_to_keeps"], r
+    assert r["copies_of_one_read"] == {"host_to_device": 0, "device_to_host": 1}, r
+
+
+def _train_cmd(accelerator: str, log_dir: Path, corpus: str, cache: Path, nproc: int, extra: list[str]) -> list[str]:
+    return [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", "--config-name",
+            "cpu_tiny_llama_config", f"trainer.accelerator={accelerator}", f"trainer.devices={nproc}",
+            "trainer.max_steps=4", "model.encoder_seq_length=64", "data.micro_batch_size=1",
+            "data.global_batch_size=2", "+model.num_layers=2", "trainer.val_check_interval=2",
+            "trainer.limit_val_batches=2", "trainer.log_every_n_steps=1", "+trainer.enable_progress_bar=false",
+            f"exp_manager.explicit_log_dir={log_dir}", "exp_manager.checkpoint_callback_params.every_n_train_steps=2",
+            "~data.builtin_corpus", f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
+            "data.tokenizer.vocab_size=1024", f"+data.tokenizer.cache_dir={cache}", "model.optim.sched.warmup_steps=1",
+            *extra]
+
+
+_METRIC = re.compile(r"step (\d+)(?:/\d+)? \| (?:loss ([\d.]+) \| lr \S+ \| grad_norm ([\d.]+)|val_loss ([\d.]+))")
+
+
+def _metrics(text: str) -> dict[str, dict[int, float]]:
+    out: dict[str, dict[int, float]] = {"loss": {}, "grad_norm": {}, "val_loss": {}}
+    for m in _METRIC.finditer(text):
+        step = int(m.group(1))
+        if m.group(4):
+            out["val_loss"][step] = float(m.group(4))
+        else:
+            out["loss"][step], out["grad_norm"][step] = float(m.group(2)), float(m.group(3))
+    return out
+
+
+def _run_both(tmp_path: Path, nproc: int, extra: list[str]) -> tuple[dict, dict, str]:
+    from tests.test_e2e import _small_corpus
+
+    corpus, cache = _small_corpus(str(tmp_path)), tmp_path / "cache"
+    runs = {}
+    for acc in ("cpu", "neuron"):
+        out = subprocess.run(_train_cmd(acc, tmp_path / acc, corpus, cache, nproc, extra), cwd=REPO,
+                             env=_env(nproc), capture_output=True, text=True, timeout=900, check=False)
+        text = out.stdout + out.stderr
+        (tmp_path / f"{acc}.log").write_text(text)
+        assert out.returncode == 0, text[-4000:]
+        runs[acc] = (_metrics(text), text)
+    return runs["cpu"][0], runs["neuron"][0], runs["neuron"][1]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(("nproc", "extra"), [
+    (1, ["distributed_strategy.tensor_model_parallel_size=1", "distributed_strategy.sequence_parallel=false"]),
+    (2, []),  # the demo's TP 2 + sequence parallel, one stand-in device per process
+], ids=["1-device", "tp2-sp"])
+def test_train_py_on_the_standin_equals_the_cpu_run(tmp_path: Path, nproc: int, extra: list[str]) -> None:
+    """``train.py`` with ``trainer.accelerator=neuron`` on the stand-in (its native-device path: the ``neuron``
+    process-group backend, the device module) against ``trainer.accelerator=cpu``: the same losses, gradient norms
+    and validation losses (fp32, to 1e-5 relative as printed)."""
+    cpu, neuron, text = _run_both(tmp_path, nproc, extra)
+    assert "neuron_native" in text or "neuron" in text
+    assert sorted(cpu["loss"]) == [1, 2, 3, 4] and sorted(cpu["val_loss"]) == [2, 4], cpu
+    for key in ("loss", "grad_norm", "val_loss"):
+        assert neuron[key].keys() == cpu[key].keys(), (key, neuron, cpu)
+        for step, value in cpu[key].items():
+            assert neuron[key][step] == pytest.approx(value, rel=1e-5), (key, step, neuron, cpu)
+    ckpts = list((tmp_path / "neuron" / "checkpoints").iterdir())
+    assert any("step=4" in p.name for p in ckpts), ckpts
