@@ -107,3 +107,64 @@ def test_rendered_text_is_bounded_per_record_not_only_in_total() -> None:
     assert bomb.render(longer).endswith("h" * 6000)
     default = RenderLimits()
     assert (default.max_output_chars, default.output_chars_per_input_char) == (2**20, 8)
+
+
+def _run_start(log_dir: Path, tok: Any, src: Any) -> None:
+    """What SaveRunTokenizer does at a run's first start on rank 0: save the tokenizer, record the corpus."""
+    from nxd_lc.lightning import run_tokenizer as rt
+
+    rt.save_run_tokenizer(tok, str(log_dir))
+    (log_dir / rt.RUN_DATA_RECORD).write_text(json.dumps(rt.corpus_record(src)))
+
+
+def test_a_resume_keeps_the_run_tokenizer_or_stops_naming_what_changed(bpe: Any, tmp_path: Path) -> None:
+    from nxd_lc.config.errors import ConfigError
+    from nxd_lc.lightning.run_tokenizer import check_resumed_run
+
+    data, log_dir = tmp_path / "data", tmp_path / "run"
+    data.mkdir()
+    log_dir.mkdir()
+    (data / "a.txt").write_text(_text(300, 1))
+    (data / "b.txt").write_text(_text(300, 2))
+    src = sources.resolve_source(str(data))
+    _run_start(log_dir, bpe, src)
+    assert check_resumed_run(bpe, str(log_dir), src) is not None  # nothing changed: resumes
+    (data / "a.txt").write_text(_text(300, 1) + " appended")
+    (data / "c.txt").write_text("new file")
+    src2 = sources.resolve_source(str(data))
+    retrained = tokenizer.train_bytelevel_bpe(sources.iter_documents(src2), 290)  # what a retrain gives
+    with pytest.raises(ConfigError) as e:
+        check_resumed_run(retrained, str(log_dir), src2)
+    msg = e.value.problems[0]
+    assert "the corpus changed since the run started: added c.txt, changed a.txt)" in msg
+    assert f"data.tokenizer.type={log_dir / 'tokenizer'}" in msg
+    with pytest.raises(ConfigError, match=r"data.train_dir: the corpus changed since this run started \(added "
+                                          r"c.txt, changed a.txt\).*resume_allow_changed_corpus=true"):
+        check_resumed_run(bpe, str(log_dir), src2)  # the same (fixed) tokenizer: repacking refused by default
+    assert check_resumed_run(bpe, str(log_dir), src2, allow_changed_corpus=True)["files"].keys() == {
+        "a.txt", "b.txt", "c.txt"}
+    from transformers import AutoTokenizer  # the fix the message names: the saved directory is a tokenizer
+
+    kept = AutoTokenizer.from_pretrained(str(log_dir / "tokenizer"))
+    assert kept(_text(20, 5))["input_ids"] == bpe(_text(20, 5))["input_ids"]
+
+
+def test_the_callback_checks_at_train_start_only_on_a_resume(bpe: Any, tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from nxd_lc.config.errors import ConfigError
+    from nxd_lc.lightning.run_tokenizer import SaveRunTokenizer
+
+    other = tokenizer.train_bytelevel_bpe([_text(300, 9)], 280)
+    callback = SaveRunTokenizer(str(tmp_path))
+    first = SimpleNamespace(datamodule=SimpleNamespace(tokenizer=bpe), ckpt_path=None, is_global_zero=True)
+    callback.setup(first, None, "fit")  # type: ignore[arg-type]
+    saved = (tmp_path / "tokenizer" / "tokenizer.json").read_text()
+    resumed = SimpleNamespace(datamodule=SimpleNamespace(tokenizer=other), ckpt_path="ckpt", is_global_zero=True)
+    callback.setup(resumed, None, "fit")  # type: ignore[arg-type]  # never replaces before the check
+    with pytest.raises(ConfigError, match="data.tokenizer: this resumed run's checkpoints were trained with"):
+        callback.on_train_start(resumed, None)  # type: ignore[arg-type]
+    assert (tmp_path / "tokenizer" / "tokenizer.json").read_text() == saved
+    fresh = SimpleNamespace(datamodule=SimpleNamespace(tokenizer=other), ckpt_path=None, is_global_zero=True)
+    callback.on_train_start(fresh, None)  # type: ignore[arg-type]  # a new run in the directory: replaced
+    assert (tmp_path / "tokenizer" / "tokenizer.json").read_text() != saved

@@ -84,6 +84,7 @@ class ExpManagerConfig:
     name: str = "default"  # experiment name, a sub-directory of exp_dir
     resume_if_exists: bool = True  # resume from the newest complete checkpoint in the log dir
     resume_ignore_no_checkpoint: bool = True  # with resume_if_exists: start fresh when none exists (else error)
+    resume_allow_changed_corpus: bool = False  # resume although the training files changed (repacked: other order)
     create_checkpoint_callback: bool = True  # save checkpoints
     checkpoint_callback_params: CheckpointCallbackParams = field(default_factory=CheckpointCallbackParams)
     log_parameter_norm: bool = False  # log the global parameter 2-norm

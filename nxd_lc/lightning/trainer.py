@@ -105,7 +105,8 @@ def build_trainer(cfg: NxdConfig, runtime: RuntimeInfo, paths: ExpPaths,
 
         callbacks.append(RetrievalEvalCallback(cfg.exp_manager.retrieval_eval, seq_length(cfg) or 0,
                                                cfg.distributed_strategy.context_parallel_algo))
-    callbacks.append(SaveRunTokenizer(paths.log_dir))  # <log_dir>/tokenizer: what exports of its checkpoints use
+    # <log_dir>/tokenizer: what exports of its checkpoints use; a resume keeps it and the recorded corpus
+    callbacks.append(SaveRunTokenizer(paths.log_dir, cfg.exp_manager.resume_allow_changed_corpus))
     if t.enable_progress_bar:  # counts optimizer steps out of max_steps (Lightning's counts micro-batches)
         callbacks.append(OptimizerStepProgressBar())
     callbacks.extend(extra_callbacks)
