@@ -116,7 +116,7 @@ def test_check_paths_names_missing_data_path() -> None:
 
 
 def test_check_paths_passes_for_existing_paths(tmp_path: Path) -> None:
-    (tmp_path / "a.txt").write_text("hello")
+    (tmp_path / "a.txt").write_text("hello " * 20)  # enough bytes for the global batch (the text-size bound)
     tok = tmp_path / "tok"
     tok.mkdir()
     raw = _tiny(data={"train_dir": str(tmp_path / "a.txt"), "tokenizer": {"type": str(tok)}})
