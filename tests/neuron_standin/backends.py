@@ -58,6 +58,9 @@ def _process_group_class(ext: Any) -> type:
         def __init__(self, store: Any, rank: int, size: int, timeout: Any) -> None:
             super().__init__(rank, size)
             self.gloo = ProcessGroupGloo(store, rank, size, timeout)
+            # the group's name lives on its backends (torch sets it after creation; functional collectives and
+            # torch.compile's traced collectives read it): gloo serves host tensors too
+            self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, self.gloo)
 
         def getBackendName(self) -> str:  # noqa: N802 - torch's name
             return PG_BACKEND
