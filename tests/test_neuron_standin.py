@@ -178,3 +178,33 @@ def test_train_py_on_the_standin_equals_the_cpu_run(tmp_path: Path, layout: str)
             assert neuron[key][step] == pytest.approx(value, rel=rel), (key, step, neuron, cpu)
     ckpts = list((tmp_path / "neuron" / "checkpoints").iterdir())
     assert any("step=4" in p.name for p in ckpts), ckpts
+
+
+@pytest.mark.slow
+def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: Path) -> None:
+    """The demo's model on one stand-in device, 5 steps of 2 micro-batches of packed documents, logging every 4th
+    step: from step 2 on every step runs the same distinct (op, dtype, shape) set (on TorchNeuron each new one is a
+    compile; the per-document attention split made new shapes every step before), and an ordinary step copies only
+    its batch to the device (4 tensors x 2 micro-batches) and reads nothing back (the non-finite check read its
+    norm every step before); the logging steps read their metrics."""
+    from tests.test_e2e import _small_corpus
+
+    corpus = _small_corpus(str(tmp_path))
+    args = ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, "trainer.max_steps=5",
+            "model.encoder_seq_length=64", "data.micro_batch_size=1", "data.global_batch_size=2",
+            "++model.num_layers=2", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
+            "trainer.log_every_n_steps=4", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
+            f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
+            "data.tokenizer.vocab_size=1024", f"+data.tokenizer.cache_dir={tmp_path / 'cache'}",
+            f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "probe_job.py"), *args], cwd=REPO,
+                         env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    steps = _result(out)["steps"]
+    assert sorted(steps, key=int) == ["1", "2", "3", "4", "5"], steps.keys()
+    inventories = [set(steps[s]["ops"]) for s in ("2", "3", "4", "5")]
+    assert all(inv == inventories[0] for inv in inventories), [sorted(inv - inventories[0])[:5] for inv in inventories]
+    assert len(inventories[0]) > 50  # the step's real op set, not an empty record
+    for s in ("2", "3"):  # ordinary steps
+        assert steps[s]["copies"]["host_to_device"] == 8 and steps[s]["copies"]["device_to_host"] == 0, steps[s]
+    assert steps["4"]["copies"]["device_to_host"] > 0  # the logging step reads its metrics

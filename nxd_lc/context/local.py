@@ -53,7 +53,7 @@ import torch
 import torch.nn.functional as F
 from torch.compiler import is_compiling
 
-from nxd_lc.runtime.accel import HOST
+from nxd_lc.runtime.accel import HOST, compiles_per_shape
 
 log = logging.getLogger(__name__)
 
@@ -210,6 +210,13 @@ def local_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale:
         return _xla_flash(q, k, v, segment_ids, scale, causal)
     if segment_ids is None:
         return _sdpa(q, k, v, scale, causal, dropout_p)
+    if compiles_per_shape(q.device):
+        # TorchNeuron's eager device compiles each op per shape: the per-document split below would read document
+        # lengths on the host and give every new document length its own compile; one masked SDPA keeps the
+        # step's shapes fixed (as on XLA), at O(S^2) mask memory
+        mask = _allowed_mask(q.shape[2], q.device, segment_ids, causal, None) if dropout_p else \
+            document_mask(segment_ids, causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, dropout_p=dropout_p)
     if is_compiling() and causal:
         if dropout_p:
             raise ValueError("not supported yet: attention dropout with model.compile on packed documents")

@@ -18,12 +18,14 @@ loss scaler skips and goes on; ``trainer.max_consecutive_nonfinite_steps`` spans
   :class:`NonFiniteTrainingError` naming the steps, so the job exits non-zero and no checkpoint of the state after
   them is written (a save in between is refused the same way; the previous checkpoint stays the newest).
 
-Eager devices (CPU, CUDA, Neuron eager) read the norm on the host once per step and raise at the step itself. On
-torch-xla no step reads the host (DESIGN.md 16): the decision is made in the step's graph (the update is selected
-away, consecutive counts kept on the device, and once the limit is reached no further update is applied); the
-host reads the counters where it reads the device anyway (logging steps: ``trainer.log_every_n_steps``, a
-checkpoint save, the last step) and raises there, naming the steps where it happened. The run therefore stops at
-most ``log_every_n_steps - 1`` steps later on XLA, with the weights of the last finite step.
+CPU and CUDA read the norm on the host once per step and raise at the step itself. On torch-xla and on TorchNeuron's
+native device (eager, but a host read waits for the device: measured on the stand-in device of the tests, it was the
+one device-to-host read of an ordinary step) no step reads the host (DESIGN.md 16): the decision is made in the
+step's graph (the update is selected away, consecutive counts kept on the device, and once the limit is reached no
+further update is applied); the host reads the counters where it reads the device anyway (logging steps:
+``trainer.log_every_n_steps``, a checkpoint save, the last step) and raises there, naming the steps where it
+happened. The run therefore stops at most ``log_every_n_steps - 1`` steps later there, with the weights of the last
+finite step.
 
 Under ``neuron_parallel_compile`` (``NEURON_EXTRACT_GRAPHS_ONLY`` set: :func:`nxd_lc.runtime.prewarm.
 extracting_graphs`) every value read back is garbage or zeros, so the host side decides nothing: the eager host
@@ -39,6 +41,7 @@ from typing import Any, Optional
 import torch
 
 from nxd_lc.optim.nonfinite import UpdateSnapshot, select_update, skip_update, snapshot_update_state
+from nxd_lc.runtime.accel import NEURON_DEVICE_TYPE
 from nxd_lc.runtime.prewarm import extracting_graphs
 
 log = logging.getLogger(__name__)
@@ -67,7 +70,8 @@ class NonFiniteStepGuard:
         limit: ``trainer.max_consecutive_nonfinite_steps`` (>= 1).
 
     Use: :meth:`before_step` between the gradient reduction and the optimizer step, :meth:`after_step` right
-    after the step, :meth:`check` where the host reads device values anyway (XLA; a no-op elsewhere).
+    after the step, :meth:`check` where the host reads device values anyway (XLA, native Neuron; a no-op
+    elsewhere).
     """
 
     def __init__(self, limit: int) -> None:
@@ -104,8 +108,8 @@ class NonFiniteStepGuard:
         """
         self._calls += 1
         step = self._calls if step is None else step
-        if self.in_graph is None:
-            self.in_graph = norm.device.type == "xla"
+        if self.in_graph is None:  # lazy XLA graphs, and TorchNeuron's device (a host read waits for the device)
+            self.in_graph = norm.device.type in ("xla", NEURON_DEVICE_TYPE)
         if not self.in_graph:
             if not extracting_graphs():  # under neuron_parallel_compile the norm read back is not real
                 self._host_decision(bool(torch.isfinite(norm)), step, optimizer, params)

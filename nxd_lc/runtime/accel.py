@@ -73,6 +73,14 @@ def native_neuron_available() -> bool:
     return _torch_neuronx_imports() and current_accelerator_type() == NEURON_DEVICE_TYPE
 
 
+def compiles_per_shape(device: torch.device) -> bool:
+    """True on TorchNeuron's native device (type ``neuron``): eager, but each ATen op is compiled per (op, dtype,
+    shape) and cached (Neuron documentation, "What is TorchNeuron?"), so code that would give an op a data-dependent
+    shape (a per-document attention split, a host read deciding a size) takes the fixed-shape path there, as on
+    torch-xla. False elsewhere (CPU and CUDA run any shape at no extra cost; XLA is decided by its own checks)."""
+    return device.type == NEURON_DEVICE_TYPE
+
+
 def accelerator_device(local_rank: int) -> torch.device:
     """Select and return this process's accelerator device, index ``local_rank`` (one device per process).
 
