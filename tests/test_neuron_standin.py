@@ -208,3 +208,64 @@ def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: 
     for s in ("2", "3"):  # ordinary steps
         assert steps[s]["copies"]["host_to_device"] == 8 and steps[s]["copies"]["device_to_host"] == 0, steps[s]
     assert steps["4"]["copies"]["device_to_host"] > 0  # the logging step reads its metrics
+
+
+def _alignment_data(tmp: Path) -> list[str]:
+    """An HF tokenizer dir, SFT records and preference pairs under ``tmp``; the data keys of an alignment run."""
+    from nxd_lc.data.tokenizer import train_bytelevel_bpe
+
+    texts = [f"question {i}: what is {i} plus {i}? the answer is {2 * i}" for i in range(200)]
+    train_bytelevel_bpe(texts, 300).save_pretrained(str(tmp / "tok"))
+    (tmp / "sft.jsonl").write_text("".join(json.dumps({"input": f"what is {i} plus {i}?", "output": f"{2 * i}"})
+                                           + "\n" for i in range(16)))
+    (tmp / "pairs.jsonl").write_text("".join(json.dumps({"prompt": f"what is {i} plus {i}?", "chosen": f"{2 * i}",
+                                                         "rejected": f"{2 * i + 1}"}) + "\n" for i in range(16)))
+    return ["~data.builtin_corpus", "~data.val_fraction", f"data.tokenizer.type={tmp / 'tok'}"]
+
+
+#: alignment workflow -> its overrides (data file, algorithm); "lora" also compares the merged HF export
+ALIGNMENT = {
+    "sft": ["+data.train_dir={tmp}/sft.jsonl", "+model_alignment_strategy={sft:{packing:true}}"],
+    "dpo": ["+data.train_dir={tmp}/pairs.jsonl", "+model_alignment_strategy={dpo:{precompute_ref_log_probs:true}}"],
+    "orpo": ["+data.train_dir={tmp}/pairs.jsonl", "+model_alignment_strategy={orpo:{}}"],
+    "lora": ["+data.train_dir={tmp}/sft.jsonl",
+             "+model_alignment_strategy={sft:{packing:true},peft:{lora_rank:4,lora_alpha:8,"
+             "target_modules:[qkv_proj,down_proj],merge_lora:true}}"],
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workflow", sorted(ALIGNMENT))
+def test_alignment_on_the_standin_equals_the_cpu_run(tmp_path: Path, workflow: str) -> None:
+    """SFT, DPO (precomputed reference), ORPO and LoRA (with its merged HF export) through ``train.py`` on one
+    stand-in device against the CPU: the same losses and gradient norms (1e-5), and for LoRA the same merged
+    weights (transformers loads both exports)."""
+    data = _alignment_data(tmp_path)
+    extra = [*TP1, *data, *(o.replace("{tmp}", str(tmp_path)) for o in ALIGNMENT[workflow])]
+    runs = {}
+    for acc in ("cpu", "neuron"):
+        cmd = [TORCHRUN, "--standalone", "--nproc_per_node=1", "train.py", "--config-name", "cpu_tiny_llama_config",
+               f"trainer.accelerator={acc}", "trainer.devices=1", "trainer.max_steps=3",
+               "model.encoder_seq_length=64", "data.micro_batch_size=1", "data.global_batch_size=2",
+               "++model.num_layers=2", "trainer.val_check_interval=100", "trainer.log_every_n_steps=1",
+               "+trainer.enable_progress_bar=false", f"exp_manager.explicit_log_dir={tmp_path / acc}",
+               "exp_manager.checkpoint_callback_params.every_n_train_steps=3", "model.optim.sched.warmup_steps=1",
+               *extra]
+        out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+        text = out.stdout + out.stderr
+        (tmp_path / f"{acc}.log").write_text(text)
+        assert out.returncode == 0, text[-4000:]
+        runs[acc] = _metrics(text)
+    assert sorted(runs["cpu"]["loss"]) == [1, 2, 3], runs
+    for key in ("loss", "grad_norm"):
+        for step, value in runs["cpu"][key].items():
+            assert runs["neuron"][key][step] == pytest.approx(value, rel=1e-5), (key, step, runs)
+    if workflow == "lora":
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        merged = [AutoModelForCausalLM.from_pretrained(str(tmp_path / acc / "hf_merged")).state_dict()
+                  for acc in ("cpu", "neuron")]
+        assert merged[0].keys() == merged[1].keys()
+        for name, tensor in merged[0].items():
+            torch.testing.assert_close(merged[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
