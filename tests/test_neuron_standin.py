@@ -269,3 +269,42 @@ def test_alignment_on_the_standin_equals_the_cpu_run(tmp_path: Path, workflow: s
         assert merged[0].keys() == merged[1].keys()
         for name, tensor in merged[0].items():
             torch.testing.assert_close(merged[1][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.slow
+def test_resume_on_the_standin_equals_the_uninterrupted_run_and_exports(tmp_path: Path) -> None:
+    """On one stand-in device: 4 steps uninterrupted; 2 steps, then a resume to 4 from the step-2 checkpoint (saved
+    from device tensors): steps 3-4 give the same losses (1e-5). The step-4 checkpoint exports to HF
+    (``python -m nxd_lc.cli.convert``, no ``--config-name``) and transformers' logits equal those of the export of the
+    CPU run's checkpoint (the two runs' weights agree to fp32 rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_e2e import _small_corpus
+
+    corpus, cache = _small_corpus(str(tmp_path)), tmp_path / "cache"
+
+    def train(acc: str, log_dir: Path, steps: int) -> dict[str, dict[int, float]]:
+        cmd = _train_cmd(acc, log_dir, corpus, cache, 1, [*TP1, f"trainer.max_steps={steps}"])
+        out = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+        assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+        return _metrics(out.stdout + out.stderr)
+
+    full = train("neuron", tmp_path / "full", 4)
+    train("neuron", tmp_path / "resumed", 2)
+    resumed = train("neuron", tmp_path / "resumed", 4)
+    assert sorted(resumed["loss"]) == [3, 4], resumed
+    for step in (3, 4):
+        assert resumed["loss"][step] == pytest.approx(full["loss"][step], rel=1e-5), (step, resumed, full)
+    train("cpu", tmp_path / "cpu", 4)
+    logits = []
+    for run in ("full", "cpu"):
+        out = subprocess.run([sys.executable, "-m", "nxd_lc.cli.convert", "--checkpoint",
+                              str(tmp_path / run / "checkpoints"), "--output", str(tmp_path / f"hf_{run}")],
+                             cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                             timeout=600, check=False)
+        assert out.returncode == 0, out.stderr[-3000:]
+        model = AutoModelForCausalLM.from_pretrained(str(tmp_path / f"hf_{run}")).eval()
+        with torch.no_grad():
+            logits.append(model(torch.arange(1, 33).unsqueeze(0)).logits)
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
