@@ -308,3 +308,44 @@ def test_resume_on_the_standin_equals_the_uninterrupted_run_and_exports(tmp_path
         with torch.no_grad():
             logits.append(model(torch.arange(1, 33).unsqueeze(0)).logits)
     torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
+
+
+#: NxDT's own example files shrunk (tests/test_nxdt_examples.py's overrides) that run on the stand-in: TP 2 with
+#: Trn2's settings, and PP 2 x ring CP 2 on 4 devices
+NXDT_FILES = ("hf_llama3_8B_trn2_config", "hf_llama3_70B_CP_config")
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", NXDT_FILES)
+def test_nxdt_example_shrunk_on_the_standin_equals_the_cpu_run(name: str, tmp_path: Path) -> None:
+    """An NxDT example file, shrunk as ``make test`` trains it, on one stand-in device per process against the
+    CPU: the same losses and gradient norms (fp32 1e-5; the files' bf16 modes 2^-7: the native device's
+    fixed-shape attention, one masked SDPA, sums in another order than the CPU's per-document split)."""
+    import yaml
+
+    from tests.test_e2e import _small_corpus
+    from tests.test_nxdt_examples import EXAMPLES, _tiny_model_json, shrink_overrides
+
+    path = EXAMPLES / f"{name}.yaml"
+    if not path.is_file():
+        pytest.skip(f"{path} is not present")
+    files = {"corpus": Path(_small_corpus(str(tmp_path))), "cache": tmp_path / "cache",
+             "pretrain_json": _tiny_model_json(tmp_path / "pretrain_config.json", 512)}
+    tree = yaml.safe_load(path.read_text())
+    rel = 1e-5 if (tree.get("precision") or {}).get("type", "fp32") == "fp32" else 2 ** -7  # the bf16 modes
+    runs = {}
+    for acc in ("cpu", "neuron"):
+        overrides, nproc = shrink_overrides(tree, files, tmp_path / acc)
+        cmd = [TORCHRUN, "--standalone", f"--nproc_per_node={nproc}", "train.py", "--config-path", str(path.parent),
+               "--config-name", name, *overrides, f"++trainer.accelerator={acc}"]
+        out = subprocess.run(cmd, cwd=REPO, env=dict(_env(nproc), HF_HUB_OFFLINE="1"), capture_output=True,
+                             text=True, timeout=900, check=False)
+        text = out.stdout + out.stderr
+        (tmp_path / f"{acc}.log").write_text(text)
+        assert out.returncode == 0, text[-4000:]
+        runs[acc] = _metrics(text)
+    assert sorted(runs["cpu"]["loss"]) == [1, 2], runs
+    for key in ("loss", "grad_norm"):
+        for step, value in runs["cpu"][key].items():
+            assert runs["neuron"][key][step] == pytest.approx(value, rel=rel), (key, step, runs)
