@@ -218,5 +218,6 @@ def test_smollm2_dpo_with_pipeline_parallelism(tmp_path: Path) -> None:
         "distributed_strategy.context_parallel_size=1", "distributed_strategy.pipeline_model_parallel_size=2",
         "model_alignment_strategy.dpo.max_prompt_length=128"])
     assert "LoRA rank 16" in text and "rewards/accuracies" in text and "val_rewards/accuracies" in text, text[-4000:]
-    assert list(data.glob("dpo_train.jsonl.ref_logps-*.pt")), "the reference table was not cached"
+    assert list((log / "ref_logps").glob("dpo_train.jsonl.ref_logps-*.pt")), "the reference table was not cached"
+    assert not list(data.glob("*.ref_logps-*")), "written next to the user's data"
     assert (log / "lora" / "adapters.pt").is_file() and (log / "hf_merged" / "model.safetensors").is_file()
