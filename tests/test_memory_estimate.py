@@ -299,17 +299,20 @@ def off_trainium(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 @pytest.mark.parametrize("accelerator,lnc,env,platform,gib,name", [
     ("xla", None, None, None, 16, "Trn1"),  # off Trainium: Trn1, torch-xla's training platform
     ("neuron", None, None, None, 16, "Trn1"),  # no torch-neuronx here: neuron would run on torch-xla
-    ("xla", 2, None, None, 48, "Trn2"),  # lnc 2 exists only on Trn2: 24 GiB x 2
-    ("xla", None, "2", None, 48, "Trn2"),  # the runtime's variable says the same
-    ("xla", None, None, "trn2", 48, "Trn2"),  # torch-neuronx reports Trn2: lnc 2 by default
-    ("xla", 1, None, "trn2", 24, "Trn2"),  # one physical core per rank
+    ("xla", 2, None, None, 24, "Trn2"),  # lnc 2 exists only on Trn2: 12 GiB x 2
+    ("xla", None, "2", None, 24, "Trn2"),  # the runtime's variable says the same
+    ("xla", None, None, "trn2", 24, "Trn2"),  # torch-neuronx reports Trn2: lnc 2 by default
+    ("xla", 1, None, "trn2", 12, "Trn2"),  # one physical core per rank
+    ("xla", 2, None, "trn3", 36, "Trn3"),  # 144 GiB / 8 physical cores x 2
+    ("xla", 1, None, "trn3", 18, "Trn3"),
     ("neuron", None, None, "trn1", 16, "Trn1"),  # a Trn1 host
 ])
 def test_neuron_core_hbm_is_the_device_memory(tmp_path: Path, off_trainium: pytest.MonkeyPatch, accelerator: str,
                                               lnc: int | None, env: str | None, platform: str | None, gib: int,
                                               name: str) -> None:
-    """HBM per NeuronCore (Neuron architecture pages: Trn1 32 GiB per chip of 2 NeuronCore-v2; Trn2 96 GiB per chip
-    of 8 NeuronCore-v3, a logical core of ``lnc`` physical ones)."""
+    """HBM per rank = HBM per physical NeuronCore x lnc (Neuron architecture pages: Trn1 32 GiB per chip of 2
+    NeuronCore-v2; Trn2 96 GiB per chip of 8 NeuronCore-v3; Trn3 144 GiB per chip of 8 NeuronCore-v4; a rank's
+    logical core is ``lnc`` physical ones). The expected sizes are those divisions, not the module's table."""
     from nxd_lc.context import nki
 
     if env is not None:
@@ -322,16 +325,19 @@ def test_neuron_core_hbm_is_the_device_memory(tmp_path: Path, off_trainium: pyte
     assert size == gib * _GIB and f"a {name} NeuronCore's HBM" in what, what
 
 
-def test_native_neuron_device_is_judged_as_the_smaller_trn3_core(tmp_path: Path,
-                                                                off_trainium: pytest.MonkeyPatch) -> None:
-    """TorchNeuron's native device (Trn2 / Trn3) where the platform cannot be read: Trn3's 144 GiB per chip of 8
-    cores, 18 GiB per core (Neuron's Trainium3 architecture page), the smaller per logical core."""
+@pytest.mark.parametrize("lnc", [None, 1, 2])
+def test_native_neuron_device_is_judged_as_the_smaller_trn2_core(tmp_path: Path, off_trainium: pytest.MonkeyPatch,
+                                                                lnc: int | None) -> None:
+    """TorchNeuron's native device (Trn2 / Trn3) where the platform cannot be read: Trn2's 96 GiB per chip of 8
+    physical cores, 12 GiB per core x lnc (Trn3: 144 / 8 = 18 GiB, larger at every lnc): 12 GiB at lnc 1 (and
+    unset: no platform to default it to 2), 24 GiB at lnc 2."""
     from nxd_lc.runtime import device
 
     off_trainium.setattr(device, "neuron_resolution", lambda: "neuron_native")
     raw = _raw(_json(tmp_path), accelerator="neuron")
+    raw["trainer"]["lnc"] = lnc
     size, what = memory.device_memory(load_config(raw))
-    assert size == 18 * _GIB and "Trn3" in what, what
+    assert size == 96 // 8 * (lnc or 1) * _GIB and "Trn2" in what, what
 
 
 def _xla_estimate(tmp_path: Path, micro: int, seq: int) -> float:
@@ -352,7 +358,7 @@ def test_xla_refuses_above_a_trn1_core_and_warns_above_90_percent(tmp_path: Path
     """On xla off Trainium the estimate is judged against a Trn1 NeuronCore's 16 GiB, as on CUDA against the GPU:
     a micro-batch count at 90-100% of it warns naming the keys, above it is refused naming the key to change (the
     micro-batch first, when it can shrink; else the sequence), and the same config with ``trainer.lnc: 2`` (Trn2,
-    48 GiB) passes."""
+    24 GiB) passes."""
     seq = 4096
     micro = next(m for m in range(1, 400) if _xla_estimate(tmp_path, m, seq) > 0.905 * 16)
     share = _xla_estimate(tmp_path, micro, seq) / 16
@@ -370,7 +376,7 @@ def test_xla_refuses_above_a_trn1_core_and_warns_above_90_percent(tmp_path: Path
     assert problem.startswith("data.micro_batch_size: the estimated memory per rank"), problem
     assert "of a Trn1 NeuronCore's HBM" in problem and "trainer.lnc=2 means Trn2" in problem, problem
     raw["trainer"]["lnc"] = 2
-    load_config(raw)  # 48 GiB per logical core on Trn2
+    load_config(raw)  # 24 GiB per logical core on Trn2 (12 GiB x lnc 2)
     long = _raw(_json(tmp_path, **_WIDE, max_position_embeddings=2**17), micro=1, seq=2**17, accelerator="xla")
     with pytest.raises(ConfigError) as e:
         load_config(long)

@@ -11,14 +11,14 @@ pipeline schedule and the K/V ring ran over XLA collectives.
 
 Each is composed by Hydra exactly as ``python train.py --config-path <dir> --config-name <file>
 +trainer.accelerator=xla +dry_run=true`` would, and run through :func:`nxd_lc.app.run.run` (``train.py``'s entry
-point; its dry run validates for the file's own world size and prints the report). The report must hold the
-file's own layout (world, TP, PP, CP, DP as written), the memory estimate judged against the HBM of a NeuronCore
-(issue 39, item 4: a Trn1 core's 16 GiB; the Trn2 file, ``trainer.lnc: 2``, a Trn2 logical core's 48 GiB) and at
-most 100% of it, and as what would stop a launch only NxDT's missing data paths; and it must equal the report of
-the same config on this CPU host (``trainer.accelerator: auto`` here, which the existing full-size validation uses,
-and where the device is unknown: not judged) line for line, except the accelerator's own line and the memory line
-naming the device. ``neuron`` is judged the same way on a host without the native Neuron device (this host: no
-torch-neuronx; and a Trn1-like host with torch-neuronx 2.9 on torch-xla, where ``auto`` also resolves to it).
+point; its dry run validates for the file's own world size and prints the report). The report must hold the file's own
+layout (world, TP, PP, CP, DP as written), the memory estimate judged against the HBM of a NeuronCore (issue 39, item
+4: a Trn1 core's 16 GiB; the Trn2 file, ``trainer.lnc: 2``, a Trn2 logical core's 24 GiB: 12 GiB per physical core x
+2) and at most 100% of it, and as what would stop a launch only NxDT's missing data paths; and it must equal the
+report of the same config on this CPU host (``trainer.accelerator: auto`` here, which the existing full-size
+validation uses, and where the device is unknown: not judged) line for line, except the accelerator's own line and the
+memory line naming the device. ``neuron`` is judged the same way on a host without the native Neuron device (this
+host: no torch-neuronx; and a Trn1-like host with torch-neuronx 2.9 on torch-xla, where ``auto`` also resolves to it).
 
 Every file fits at its own size. ``hf_llama3_70B_config`` (TP 32 x PP 8, sequence 8192, selective recomputation of
 the attention kernel and the MLP) was estimated at 16.4 GiB on its first pipeline stage, 102% of a Trn1 core, and
@@ -187,7 +187,7 @@ def _check_xla_report(report: str, cfg: NxdConfig, tree: dict[str, Any]) -> None
     judged = [m for line in lines if (m := _JUDGED.match(line))]  # issue 39: a NeuronCore's HBM, at most 100%
     trn2 = cfg.trainer.lnc == 2  # NxDT's Trn2 files say so (lnc 2 exists only on Trn2)
     assert len(judged) == 1 and judged[0]["platform"] == ("Trn2" if trn2 else "Trn1"), report[-3000:]
-    assert judged[0]["gib"] == ("48.00" if trn2 else "16.00") and int(judged[0]["share"]) <= 100, judged[0][0]
+    assert judged[0]["gib"] == ("24.00" if trn2 else "16.00") and int(judged[0]["share"]) <= 100, judged[0][0]
     stops = _stops(report)
     # what stops a launch on xla: the data / tokenizer / checkpoint paths of NxDT's machine, nothing else
     assert stops == [f"#   - at launch: {p}" for p in path_problems(cfg)], stops
@@ -262,3 +262,22 @@ def test_older_sft_layout_dry_runs_at_full_size_on_xla_as_on_cpu(tmp_path: Path)
     assert any("training.jsonl" in s for s in _stops(report)), _stops(report)
     _check_same_as_cpu_host(report, cfg, "auto")
     _check_same_as_cpu_host(report, cfg, "neuron")
+
+
+def test_trn2_70b_file_at_tp16_is_refused_against_a_trn2_logical_core() -> None:
+    """Issue 52, item 1: NxDT's ``hf_llama3_70B_trn2_config`` at TP 16 (instead of 32) and micro-batch 2 on xla is
+    estimated at 32.67 GiB per rank; a Trn2 rank at lnc 2 has 2 x 12 GiB (96 GiB per Trainium2 chip of 8
+    NeuronCore-v3), so it is refused at 136%, naming the micro-batch first. It passed at 68% while a physical Trn2
+    core was taken for 24 GiB (48 GiB per rank)."""
+    from nxd_lc.config.errors import ConfigError
+
+    (source, path), = [(s, p) for s, p in _ALL if p.stem == "hf_llama3_70B_trn2_config"]
+    overrides = [*_overrides(source, path), "+trainer.accelerator=xla",
+                 "distributed_strategy.tensor_model_parallel_size=16", "data.micro_batch_size=2", "+dry_run=true"]
+    with initialize_config_dir(config_dir=str(path.parent), version_base=None):
+        raw = compose(config_name=path.stem, overrides=overrides)
+    with pytest.raises(ConfigError) as e:
+        run_module.run(raw)
+    (problem,) = e.value.problems
+    assert problem.startswith("data.micro_batch_size: the estimated memory per rank, 32.67 GiB"), problem
+    assert "is 136% of a Trn2 NeuronCore's HBM, lnc 2" in problem and "(24.00 GiB per rank)" in problem, problem

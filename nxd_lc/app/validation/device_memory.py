@@ -11,9 +11,13 @@ from nxd_lc.config.schema import NxdConfig
 __all__ = ["NEURON_HBM_PER_CORE", "device_memory", "host_memory", "neuron_core_memory"]
 
 _GIB = 2**30
-#: HBM per physical NeuronCore (bytes): Trn1 32 GiB per Trainium chip of 2 NeuronCores, Trn2 96 GiB per Trainium2
-#: chip of 8, Trn3 144 GiB per chip of 8 (:func:`neuron_core_memory`)
-NEURON_HBM_PER_CORE = {"trn1": 16 * _GIB, "trn2": 24 * _GIB, "trn3": 18 * _GIB}
+#: HBM per *physical* NeuronCore (bytes), the chip's HBM over its NeuronCores: Trn1 32 GiB per Trainium chip of 2
+#: NeuronCore-v2 = 16 GiB, Trn2 96 GiB per Trainium2 chip of 8 NeuronCore-v3 = 12 GiB, Trn3 144 GiB per Trainium3
+#: chip of 8 NeuronCore-v4 = 18 GiB. Source: the Neuron documentation's architecture pages
+#: (about-neuron/arch/neuron-hardware/trainium, trainium2, trainium3; re-read 2026-12-01,
+#: ../shared/reference/neuron_platform.md). A rank runs on one logical NeuronCore of ``lnc`` physical ones and has
+#: this x lnc (:func:`neuron_core_memory`): 24 GiB at Trn2's default lnc 2, 36 GiB on Trn3.
+NEURON_HBM_PER_CORE = {"trn1": 16 * _GIB, "trn2": 12 * _GIB, "trn3": 18 * _GIB}
 
 
 def host_memory() -> int | None:
@@ -56,21 +60,18 @@ def device_memory(cfg: NxdConfig) -> tuple[int | None, str]:
 
 
 def neuron_core_memory(cfg: NxdConfig, native: bool) -> tuple[int | None, str]:
-    """``(HBM bytes of the NeuronCore one rank runs on, what it is)`` (None for a platform whose HBM is not in
-    :data:`NEURON_HBM_PER_CORE`).
+    """``(HBM bytes of the logical NeuronCore one rank runs on, what it is)`` (None for a platform whose HBM is not
+    in :data:`NEURON_HBM_PER_CORE`).
 
-    One rank per logical NeuronCore, of ``lnc`` physical cores (:func:`nxd_lc.context.nki.resolve_lnc`): 16 GiB on
-    Trn1 (32 GiB per chip of 2 NeuronCores), 24 GiB x lnc on Trn2 (96 GiB per chip of 8 physical NeuronCores; lnc 2
-    by default there: 48 GiB), 18 GiB x lnc on Trn3 (144 GiB per chip of 8). Sources: the Neuron documentation's
-    architecture pages (about-neuron/arch/neuron-hardware/trainium, trainium2, trainium3: "32 GiB of device
-    memory", two NeuronCore-v2; 96 GiB, eight NeuronCore-v3; 144 GiB, eight NeuronCore-v4);
-    ../shared/reference/neuron_platform.md.
+    One rank per logical NeuronCore of ``lnc`` physical cores (:func:`nxd_lc.context.nki.resolve_lnc`); its HBM is
+    :data:`NEURON_HBM_PER_CORE` (per physical core) x lnc: 16 GiB on Trn1 (lnc 1 only), 12 GiB x lnc on Trn2
+    (24 GiB at its default lnc 2), 18 GiB x lnc on Trn3 (36 GiB at lnc 2).
 
     The platform, before launch: the one torch-neuronx reports on this host (a Trainium instance,
     :func:`~nxd_lc.context.nki.neuron_platform`); else Trn2 when the logical NeuronCore size is 2
     (``trainer.lnc`` / ``NEURON_LOGICAL_NC_CONFIG``: it exists only on Trn2 / Trn3 and Trn1 is the other training
-    platform of torch-xla); else, on TorchNeuron's native device (``native``: Trn2 / Trn3 only), Trn3's 18 GiB x lnc
-    (the smaller); else Trn1, torch-xla's Neuron training platform (a config dry-run off
+    platform of torch-xla); else, on TorchNeuron's native device (``native``: Trn2 / Trn3 only), Trn2's 12 GiB x
+    lnc, the smaller of the two at any lnc; else Trn1, torch-xla's Neuron training platform (a config dry-run off
     Trainium for torch-xla is judged as on Trn1; ``trainer.lnc: 2`` says Trn2).
     """
     from nxd_lc.context.nki import neuron_platform, resolve_lnc
@@ -84,8 +85,8 @@ def neuron_core_memory(cfg: NxdConfig, native: bool) -> tuple[int | None, str]:
         platform, how = detected, "the platform torch-neuronx reports"
     elif lnc == 2:
         platform, how = "trn2", "Trn2: the logical NeuronCore size (trainer.lnc / NEURON_LOGICAL_NC_CONFIG) is 2"
-    elif native:  # the smaller of the two per logical core
-        platform, how = "trn3", "TorchNeuron's native device runs on Trn2 / Trn3: Trn3's is the smaller"
+    elif native:  # the smaller of the two per logical core at any lnc (12 < 18 GiB per physical core)
+        platform, how = "trn2", "TorchNeuron's native device runs on Trn2 / Trn3: Trn2's is the smaller"
     else:
         platform, how = "trn1", "Trn1 assumed off Trainium; trainer.lnc=2 means Trn2"
     per_core = NEURON_HBM_PER_CORE.get(platform)

@@ -45,7 +45,7 @@ device's memory the config is refused, above :data:`WARN_FRACTION` of it a warni
 The device memory is known for ``trainer.accelerator: cpu`` (the host's RAM, shared by the node's
 ``trainer.devices`` ranks), for CUDA (``gpu``, or ``auto`` resolving to it on this host: the device's total
 memory) and for ``xla`` / ``neuron`` (and ``auto`` resolving to a Neuron device): the HBM of the NeuronCore a rank
-runs on, 16 GiB on Trn1 and 24 GiB x lnc on Trn2 (:func:`neuron_core_memory`; off Trainium a config for torch-xla
+runs on, 16 GiB on Trn1 and 12 GiB x lnc on Trn2 (:func:`neuron_core_memory`; off Trainium a config for torch-xla
 is judged as on Trn1 unless ``trainer.lnc`` is 2). For ``auto`` resolving to the CPU (a config written for an
 accelerator, judged on another host) it is unknown and the estimate is only reported.
 """
