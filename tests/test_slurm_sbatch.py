@@ -31,11 +31,14 @@ _FAKES = {
 
 
 def _sbatch(tmp_path: Path, imds: str = "", neuron_ls: list[dict] | None = None, nodes: int = 1,
-            **env: str) -> tuple[int, dict[str, str], str]:
-    """Run the script; returns (NPROC_PER_NODE given to torchrun, node settings exported, stderr)."""
+            scontrol: str | None = None, **env: str) -> tuple[int, dict[str, str], str]:
+    """Run the script; returns (NPROC_PER_NODE given to torchrun, node settings exported, stderr); ``scontrol``
+    replaces the fake ``scontrol``'s body."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     fakes = dict(_FAKES)
+    if scontrol is not None:
+        fakes["scontrol"] = scontrol
     if neuron_ls is not None:
         fakes["neuron-ls"] = f"echo '{json.dumps(neuron_ls)}'"
     for name, body in fakes.items():
@@ -52,6 +55,7 @@ def _sbatch(tmp_path: Path, imds: str = "", neuron_ls: list[dict] | None = None,
     if proc.returncode != 0:
         return -proc.returncode, {}, proc.stderr
     text = out.read_text()
+    (tmp_path / "srun_args.txt").write_text(text.splitlines()[0])
     nproc = int(re.search(r"--nproc_per_node=(\d+)", text).group(1))
     exported = dict(line.split("=", 1) for line in text.splitlines()[1:])
     return nproc, exported, proc.stderr
@@ -83,3 +87,31 @@ def test_processes_per_node_and_node_settings(tmp_path: Path, case: str, kwargs:
 def test_a_trainium_instance_of_unknown_size_stops_asking_for_nproc(tmp_path: Path) -> None:
     status, _, err = _sbatch(tmp_path, imds="trn9.big")
     assert status == -2 and "set NPROC_PER_NODE" in err, err
+
+
+#: ``scontrol show hostnames`` of a 512-node job (the fake's Python body): one name per line, written 4 KiB at a time
+#: as a large output reaches a pipe, with a pause between writes (a reader that stops early has gone by the next)
+_MANY_HOSTS = """import os, time
+data = "".join(f"trn1-st-{i:04d}-{'x' * 40}\\n" for i in range(512)).encode()
+for k in range(0, len(data), 4096):
+    os.write(1, data[k:k + 4096])
+    time.sleep(0.002)
+"""
+
+
+def test_the_first_host_of_a_512_node_list_is_the_master_every_time(tmp_path: Path) -> None:
+    """Issue 52, item 3: with 512 host names the script launches in 10 of 10 runs, ``MASTER_ADDR`` (torchrun's
+    rendezvous endpoint) the job's first host. ``scontrol show hostnames ... | head -n 1`` under ``set -o pipefail``
+    exited 1 when ``head`` left before ``scontrol`` finished writing (SIGPIPE): 4 of 10 runs launched nothing
+    (measured at 44f9ff5)."""
+    hosts = tmp_path / "hosts.py"
+    hosts.write_text(_MANY_HOSTS)
+    first = "trn1-st-0000-" + "x" * 40
+    for run in range(10):
+        case = tmp_path / str(run)
+        case.mkdir()
+        nproc, _, err = _sbatch(case, scontrol=f'exec "$PYTHON_BIN" {hosts}', SLURM_JOB_NODELIST="trn1-st-[0000-0511]",
+                                nodes=512)
+        assert nproc == 128, (run, nproc, err[-2000:])
+        args = (case / "srun_args.txt").read_text()
+        assert f"--rdzv_endpoint={first}:29500" in args, (run, args)
