@@ -259,6 +259,7 @@ class _Bed:
                                        f"{traceback.format_exc()}")
             raise
         compiled = _compiles() - before
+        self.local.compiled += compiled
         with self.cv:
             self.cut_log.append([k, rank, where, compiled])
         peers = [r for r, r_key in self.keys[k].items() if r < rank and r_key == key]
@@ -497,7 +498,7 @@ def _device_thread(bed: _Bed, rank: int, fn: Callable[..., Any], kwargs: dict[st
     import torch_xla
     import torch_xla.core.xla_model as xm
 
-    bed.local.rank, bed.local.cuts = rank, 0
+    bed.local.rank, bed.local.cuts, bed.local.compiled = rank, 0, 0
     bed.local.env = {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(bed.n),
                      "LOCAL_WORLD_SIZE": str(bed.n), "GROUP_RANK": "0", "NODE_RANK": "0"}
     try:

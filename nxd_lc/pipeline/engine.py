@@ -175,9 +175,8 @@ class PipelineEngine:
                 kwargs[key] = value
         losses: list[torch.Tensor] = []
         if is_xla_tensor(input_ids):  # no point-to-point on the XLA process group: the lockstep schedule
-            losses = self._lockstep(seq_local, input_ids.device).run(
-                n, train, input_ids.chunk(n), [{k: v.chunk(n)[i] for k, v in kwargs.items()} for i in range(n)],
-                cut=xla_sync)
+            firsts, per_micro = self._materialized_microbatches(input_ids, kwargs, n)
+            losses = self._lockstep(seq_local, input_ids.device).run(n, train, firsts, per_micro, cut=xla_sync)
         else:
             schedule = self._schedule(n, seq_local, input_ids.device, train)
             args = (input_ids,) if any(m.is_first for m in self.stage_modules) else ()
@@ -188,6 +187,25 @@ class PipelineEngine:
         local = torch.stack([x.detach().float().reshape(()) for x in losses]).sum().reshape(1) if losses else \
             torch.zeros(1).to(input_ids.device)
         return stage_all_reduce(local, ps.get_pipeline_model_parallel_group())[0]
+
+    def _materialized_microbatches(self, input_ids: torch.Tensor, kwargs: dict[str, torch.Tensor], n: int
+                                   ) -> tuple[list[torch.Tensor], list[dict[str, torch.Tensor]]]:
+        """The ``n`` micro-batches of ``input_ids`` ``[n x B, S]`` and of every ``kwargs`` tensor (dim 0 split into
+        ``n`` equal blocks) as tensors of their own, for the lockstep schedule on XLA.
+
+        A slice ``t.chunk(n)[i]`` of one device tensor carries its offset ``i`` into every graph that reads it, so
+        each phase graph compiled once per micro-batch index (17 / 25 / 41 graphs in step 1 at PP 2 for m = 4 / 8
+        / 16, 43 / 67 / 211 at PP 4 for m = 8 / 16 / 64; on Neuron each is a neuronx-cc compile). Copies of the
+        blocks are made here, before phase 0, so that they join the graph of phase 0's compute (cut before its
+        exchange: the schedule's first cut) and are device data from then on: every later phase reads inputs of
+        the same shape whatever ``i``, and the steady state's phases share their graphs (18 graphs at PP 2, 26 at
+        PP 4, for any m; ``tests/test_xla_pipeline.py``). No graph execution is added. ``input_ids`` only on ranks
+        holding the first stage (its only reader)."""
+        firsts: list[torch.Tensor] = []
+        if any(m.is_first for m in self.stage_modules):
+            firsts = [c.clone() for c in input_ids.chunk(n)]
+        per_micro = [{k: v.chunk(n)[i].clone() for k, v in kwargs.items()} for i in range(n)]
+        return firsts, per_micro
 
     def _lockstep(self, seq_local: int, device: torch.device) -> LockstepRunner:
         """The torch-xla schedule (:mod:`nxd_lc.pipeline.lockstep`) for this sequence length, built for the first

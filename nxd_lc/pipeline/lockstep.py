@@ -36,7 +36,10 @@ compute joins the next phase's graph.
 caller runs next. Training: ``E = 2m + 2S - 3`` for ``S >= 3`` and ``m >= 2`` (every phase but the last exchanges);
 ``E = m + 1`` for ``S = 2`` (only even phases send); ``E = 2S - 2`` for ``m = 1``. Forward only: ``E = m + S - 2``.
 Against the one-tick schedule (``m + 2S - 3`` exchanges) that is ``m`` more exchanges at ``S >= 3`` and the same
-at ``S = 2``.
+at ``S = 2``. Graphs *compiled*: the steady state's phases repeat, so their graphs are shared, provided each
+micro-batch's inputs are tensors of their own and not slices of one device tensor (a slice's offset is part of
+every graph reading it): :class:`~nxd_lc.pipeline.engine.PipelineEngine` passes copies (16 graphs in the first
+call at PP 2, 26 at PP 4, whatever ``m``; docs/trainium.md).
 
 Gradients, losses and objective records equal those of the 1F1B path
 (:class:`torch.distributed.pipelining.Schedule1F1B`): the same micro-batches, the same loss scaling, only the order
