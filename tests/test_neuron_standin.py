@@ -220,6 +220,33 @@ def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: 
     assert steps["4"]["copies"]["device_to_host"] > 0  # the logging step reads its metrics
 
 
+@pytest.mark.slow
+def test_a_nan_step_is_decided_on_the_device_and_stops_the_run_at_the_next_read(tmp_path: Path) -> None:
+    """The non-finite guard on the native device (one stand-in device, the demo's model): NaN gradients in
+    optimizer step 2, logging every 3rd step. The decision is made in the step (``in_graph``, as on XLA: no read of
+    the norm), so steps 1 and 2 read nothing back, and the run raises ``NonFiniteTrainingError`` naming step 2 at
+    step 3, its first read, with finite parameters (step 2's update selected away). On CPU it raises at step 2
+    (``tests/test_nonfinite_step.py``)."""
+    from tests.test_e2e import _small_corpus
+
+    corpus = _small_corpus(str(tmp_path))
+    args = ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, "trainer.max_steps=6",
+            "model.encoder_seq_length=32", "data.micro_batch_size=1", "data.global_batch_size=1",
+            "++model.num_layers=1", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
+            "trainer.log_every_n_steps=3", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
+            f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
+            "data.tokenizer.vocab_size=300", f"+data.tokenizer.cache_dir={tmp_path / 'cache'}",
+            f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "exp_manager.create_tensorboard_logger=false",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "nan_job.py"), "--nan-step", "2",
+                          *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
+    r = _result(out)
+    assert r["error_type"] == "NonFiniteTrainingError" and "optimizer step 2 " in r["error"], r
+    assert r["in_graph"] is True and r["param_device"] == "neuron" and r["params_finite"] is True, r
+    reads = r["device_to_host_per_step"]
+    assert reads.get("1") == 0 and reads.get("2") == 0, reads  # no read of the norm on the steps before the log
+
+
 def _alignment_data(tmp: Path) -> list[str]:
     """An HF tokenizer dir, SFT records and preference pairs under ``tmp``; the data keys of an alignment run."""
     from nxd_lc.data.tokenizer import train_bytelevel_bpe

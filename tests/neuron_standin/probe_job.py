@@ -3,7 +3,10 @@ distinct ``(op, dtypes, shapes)`` the CPU fallback ran (TorchNeuron's eager comp
 a compile on Trainium) and the host <-> device copies the job made (``_copy_from`` calls and ``.item()`` reads
 outside the fallback). Test bed only (it patches nxd_lc's Trainer builder to add its probe callback).
 
-    python tests/neuron_standin/probe_job.py <hydra overrides of cpu_tiny_llama_config ...>
+    python tests/neuron_standin/probe_job.py [--config-path DIR --config-name NAME] <hydra overrides ...>
+
+(default: ``conf/cpu_tiny_llama_config``; e.g. an NxDT file with ``tests/test_nxdt_examples.py``'s shrinking
+overrides)
 
 Prints one line ``RESULT <json>``: ``{"steps": {step: {"ops": [[op, dtypes, shapes, calls], ...], "copies":
 {...}}}}``; steps are the optimizer step each micro-batch belongs to (1-based, as printed).
@@ -21,7 +24,15 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(REPO), str(REPO / "tests" / "neuron_standin" / "pkgs")]
 
 
-def main(overrides: list[str]) -> None:
+def main(argv: list[str]) -> None:
+    config_dir, config_name = REPO / "conf", "cpu_tiny_llama_config"
+    overrides = list(argv)
+    while overrides and overrides[0] in ("--config-path", "--config-name"):
+        flag, value, overrides = overrides[0], overrides[1], overrides[2:]
+        if flag == "--config-path":
+            config_dir = Path(value).resolve()
+        else:
+            config_name = value
     import pytorch_lightning as pl
     import torch_neuronx  # noqa: F401  (the test bed's: installs the stand-in)
     from hydra import compose, initialize_config_dir
@@ -60,8 +71,8 @@ def main(overrides: list[str]) -> None:
     for key, value in {"LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1",
                        "MASTER_PORT": os.environ.get("MASTER_PORT", "29617")}.items():
         os.environ.setdefault(key, value)
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base=None):
-        raw = compose(config_name="cpu_tiny_llama_config", overrides=overrides)
+    with initialize_config_dir(config_dir=str(config_dir), version_base=None):
+        raw = compose(config_name=config_name, overrides=overrides)
     try:
         run(raw)
     finally:
