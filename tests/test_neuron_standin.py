@@ -190,6 +190,23 @@ def test_train_py_on_the_standin_equals_the_cpu_run(tmp_path: Path, layout: str)
     assert any("step=4" in p.name for p in ckpts), ckpts
 
 
+def _in_process_job(tmp_path: Path, *, steps: int, seq: int, global_batch: int, layers: int, vocab: int,
+                    log_every: int) -> list[str]:
+    """Overrides of ``cpu_tiny_llama_config`` for a job on one stand-in device run in the test bed's process
+    (``probe_job.py``, ``nan_job.py``): micro-batch 1, no validation, no checkpoint, no TensorBoard."""
+    from tests.test_e2e import _small_corpus
+
+    corpus = _small_corpus(str(tmp_path))
+    return ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, f"trainer.max_steps={steps}",
+            f"model.encoder_seq_length={seq}", "data.micro_batch_size=1", f"data.global_batch_size={global_batch}",
+            f"++model.num_layers={layers}", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
+            f"trainer.log_every_n_steps={log_every}", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
+            f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
+            f"data.tokenizer.vocab_size={vocab}", f"+data.tokenizer.cache_dir={tmp_path / 'cache'}",
+            f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "exp_manager.create_tensorboard_logger=false",
+            "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
+
+
 @pytest.mark.slow
 def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: Path) -> None:
     """The demo's model on one stand-in device, 5 steps of 2 micro-batches of packed documents, logging every 4th
@@ -197,17 +214,7 @@ def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: 
     compile; the per-document attention split made new shapes every step before), and an ordinary step copies only
     its batch to the device (4 tensors x 2 micro-batches) and reads nothing back (the non-finite check read its
     norm every step before); the logging steps read their metrics."""
-    from tests.test_e2e import _small_corpus
-
-    corpus = _small_corpus(str(tmp_path))
-    args = ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, "trainer.max_steps=5",
-            "model.encoder_seq_length=64", "data.micro_batch_size=1", "data.global_batch_size=2",
-            "++model.num_layers=2", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
-            "trainer.log_every_n_steps=4", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
-            f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
-            "data.tokenizer.vocab_size=1024", f"+data.tokenizer.cache_dir={tmp_path / 'cache'}",
-            f"exp_manager.explicit_log_dir={tmp_path / 'run'}",
-            "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
+    args = _in_process_job(tmp_path, steps=5, seq=64, global_batch=2, layers=2, vocab=1024, log_every=4)
     out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "probe_job.py"), *args], cwd=REPO,
                          env=_env(), capture_output=True, text=True, timeout=900, check=False)
     steps = _result(out)["steps"]
@@ -227,17 +234,7 @@ def test_a_nan_step_is_decided_on_the_device_and_stops_the_run_at_the_next_read(
     the norm), so steps 1 and 2 read nothing back, and the run raises ``NonFiniteTrainingError`` naming step 2 at
     step 3, its first read, with finite parameters (step 2's update selected away). On CPU it raises at step 2
     (``tests/test_nonfinite_step.py``)."""
-    from tests.test_e2e import _small_corpus
-
-    corpus = _small_corpus(str(tmp_path))
-    args = ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, "trainer.max_steps=6",
-            "model.encoder_seq_length=32", "data.micro_batch_size=1", "data.global_batch_size=1",
-            "++model.num_layers=1", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
-            "trainer.log_every_n_steps=3", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
-            f"+data.train_dir={corpus}", "+data.file_glob=**/*.py", "data.val_fraction=0.1",
-            "data.tokenizer.vocab_size=300", f"+data.tokenizer.cache_dir={tmp_path / 'cache'}",
-            f"exp_manager.explicit_log_dir={tmp_path / 'run'}", "exp_manager.create_tensorboard_logger=false",
-            "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
+    args = _in_process_job(tmp_path, steps=6, seq=32, global_batch=1, layers=1, vocab=300, log_every=3)
     out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "nan_job.py"), "--nan-step", "2",
                           *args], cwd=REPO, env=_env(), capture_output=True, text=True, timeout=900, check=False)
     r = _result(out)
