@@ -191,13 +191,14 @@ def test_train_py_on_the_standin_equals_the_cpu_run(tmp_path: Path, layout: str)
 
 
 def _in_process_job(tmp_path: Path, *, steps: int, seq: int, global_batch: int, layers: int, vocab: int,
-                    log_every: int) -> list[str]:
-    """Overrides of ``cpu_tiny_llama_config`` for a job on one stand-in device run in the test bed's process
-    (``probe_job.py``, ``nan_job.py``): micro-batch 1, no validation, no checkpoint, no TensorBoard."""
+                    log_every: int, devices: int = 1) -> list[str]:
+    """Overrides of ``cpu_tiny_llama_config`` for a job on stand-in devices run in the test bed's process
+    (``probe_job.py``, ``nan_job.py``; one process per device under torchrun): micro-batch 1, TP 1, no validation,
+    no checkpoint, no TensorBoard, no preemption handler (the callers that vote per step add it back)."""
     from tests.test_e2e import _small_corpus
 
     corpus = _small_corpus(str(tmp_path))
-    return ["trainer.accelerator=neuron", "trainer.devices=1", *TP1, f"trainer.max_steps={steps}",
+    return ["trainer.accelerator=neuron", f"trainer.devices={devices}", *TP1, f"trainer.max_steps={steps}",
             f"model.encoder_seq_length={seq}", "data.micro_batch_size=1", f"data.global_batch_size={global_batch}",
             f"++model.num_layers={layers}", "trainer.val_check_interval=100", "trainer.limit_val_batches=0",
             f"trainer.log_every_n_steps={log_every}", "+trainer.enable_progress_bar=false", "~data.builtin_corpus",
@@ -225,6 +226,31 @@ def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: 
     for s in ("2", "3"):  # ordinary steps
         assert steps[s]["copies"]["host_to_device"] == 8 and steps[s]["copies"]["device_to_host"] == 0, steps[s]
     assert steps["4"]["copies"]["device_to_host"] > 0  # the logging step reads its metrics
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_devices_with_ring_cp_read_nothing_back_on_ordinary_steps(tmp_path: Path) -> None:
+    """Ring CP 2 on two stand-in devices (one process each, with the preemption handler's per-step vote): every
+    ordinary step runs the same op set from step 2 on and reads nothing back on either rank; it copies the batch
+    to the device (4 tensors x 2 micro-batches). Two reads per step are gone: the ring's (it read its segment
+    bounds on the host to skip and mask tiles: 27 device-to-host reads per step; the rank-invariant ring of XLA
+    now runs on the native device too) and the step vote's (a device all-reduce read back; now the rendezvous
+    store's, as on XLA)."""
+    args = [a for a in _in_process_job(tmp_path, steps=5, seq=64, global_batch=2, layers=2, vocab=1024,
+                                       log_every=4, devices=2) if a != "+exp_manager.preemption_signals=[]"]
+    args += ["distributed_strategy.context_parallel_size=2", "++distributed_strategy.context_parallel_algo=ring"]
+    out = subprocess.run([TORCHRUN, "--standalone", "--nproc_per_node=2", "tests/neuron_standin/probe_job.py", *args],
+                         cwd=REPO, env=dict(_env(2), PROBE_RESULT_DIR=str(tmp_path)), capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert out.returncode == 0, (out.stdout + out.stderr)[-4000:]
+    for rank in (0, 1):
+        steps = json.loads((tmp_path / f"rank{rank}.json").read_text())["steps"]
+        inventories = [set(steps[s]["ops"]) for s in ("2", "3", "4", "5")]
+        assert all(inv == inventories[0] for inv in inventories) and len(inventories[0]) > 50, rank
+        for s in ("2", "3"):
+            assert steps[s]["copies"]["device_to_host"] == 0, (rank, s, steps[s]["copies"])
+            assert steps[s]["copies"]["host_to_device"] == 8, (rank, s, steps[s]["copies"])
 
 
 @pytest.mark.slow

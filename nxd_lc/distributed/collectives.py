@@ -399,16 +399,16 @@ def barrier(group: ProcessGroup | None = None) -> None:
 def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]:
     """Element-wise maximum of small host integers over every rank of the world group (a vote).
 
-    A control-plane collective (flags such as "a signal arrived", "my write failed"), never on the device
-    graph: gloo reduces a CPU tensor, an accelerator backend (nccl, TorchNeuron's neuron) one on the current
-    accelerator device. On xla the ranks agree through the default process group's key-value store
+    A control-plane collective (flags such as "a signal arrived", "my write failed"), never on the device graph: gloo
+    reduces a CPU tensor, an accelerator backend (nccl, TorchNeuron's neuron) one on the current accelerator device.
+    On xla and on TorchNeuron's ``neuron`` backend the ranks agree through the default process group's key-value store
     (:func:`store_world_max`; the TCPStore of torchrun's / torch-xla's ``xla://`` rendezvous): no device, no lazy
     graph, no host read of a device tensor, so a vote on every training step does not make the host wait for the
-    device. Only where that store cannot hold keys (torch-xla's ``DummyStore``, chosen with
-    ``XLA_USE_DUMMY_STORE=1`` and ``TORCH_DIST_INIT_BARRIER=0``) it falls back to ``xm.mesh_reduce`` (a sync,
-    device all-gathers and host reads on every call; warned once). Every rank must call it, with the same
-    ``len(values)`` and ``tag``, the same number of times. Without torch.distributed (or with one rank) it returns
-    ``list(values)``.
+    device (on the native device's stand-in the device vote read back once per step). Only where that store cannot
+    hold keys (torch-xla's ``DummyStore``, chosen with ``XLA_USE_DUMMY_STORE=1`` and ``TORCH_DIST_INIT_BARRIER=0``) it
+    falls back to ``xm.mesh_reduce`` (a sync, device all-gathers and host reads on every call; warned once). Every
+    rank must call it, with the same ``len(values)`` and ``tag``, the same number of times. Without torch.distributed
+    (or with one rank) it returns ``list(values)``.
 
     Raises:
         RuntimeError: a non-gloo, non-xla backend without a current accelerator device;
@@ -420,10 +420,11 @@ def world_max(values: Sequence[int], tag: str = "nxd_lc_world_max") -> list[int]
     if not is_initialized() or dist.get_world_size() == 1:
         return values
     backend = str(dist.get_backend()).lower()
-    if "xla" in backend:
-        store = None if xla_store_is_dummy() else default_store()
+    if "xla" in backend or "neuron" in backend:  # TorchNeuron's backend: named like its device
+        store = None if "xla" in backend and xla_store_is_dummy() else default_store()
         if store is not None:
             return store_world_max(values, tag, store, dist.get_world_size(), dist.group.WORLD)
+    if "xla" in backend:
         _warn_device_vote()
         import torch_xla.core.xla_model as xm
 

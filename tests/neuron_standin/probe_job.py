@@ -9,7 +9,8 @@ outside the fallback). Test bed only (it patches nxd_lc's Trainer builder to add
 overrides)
 
 Prints one line ``RESULT <json>``: ``{"steps": {step: {"ops": [[op, dtypes, shapes, calls], ...], "copies":
-{...}}}}``; steps are the optimizer step each micro-batch belongs to (1-based, as printed).
+{...}}}}``; steps are the optimizer step each micro-batch belongs to (1-based, as printed). Under torchrun, with
+``PROBE_RESULT_DIR`` set, each rank also writes it to ``<dir>/rank<RANK>.json``.
 """
 
 from __future__ import annotations
@@ -77,7 +78,10 @@ def main(argv: list[str]) -> None:
         run(raw)
     finally:
         _shutdown_distributed()
-    print("RESULT " + json.dumps({"steps": {str(k): v for k, v in sorted(steps.items())}}))
+    result = json.dumps({"steps": {str(k): v for k, v in sorted(steps.items())}})
+    if os.environ.get("PROBE_RESULT_DIR"):  # under torchrun: one file per rank (lines of ranks would interleave)
+        Path(os.environ["PROBE_RESULT_DIR"], f"rank{os.environ['RANK']}.json").write_text(result)
+    print("RESULT " + result)
 
 
 if __name__ == "__main__":
