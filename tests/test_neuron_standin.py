@@ -152,7 +152,9 @@ LAYOUTS = {
                                                  "++distributed_strategy.context_parallel_algo=ulysses"], 1e-5, ()),
     "pp2-1f1b": (2, "cpu_tiny_llama_config", [*TP1, "distributed_strategy.pipeline_model_parallel_size=2"], 1e-5,
                  ()),
-    "ep2-mixtral": (2, "cpu_tiny_mixtral_config", [], 1e-5, ()),
+    # dropless: on the native device every expert takes T slots (static shapes, no host read); the CPU run's
+    # capacity is the largest load read back, so the two dispatch differently and must agree
+    "ep2-mixtral": (2, "cpu_tiny_mixtral_config", ["model.moe.dropless=true"], 1e-5, ()),
     "bf16-mixed": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=mixed_precision"], 2 ** -7, ()),
     "autocast": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=autocast"], 2 ** -7, ()),
     # model.compile true: the decoder layers compiled with the 'neuron' backend; the CPU run stays eager (inductor
@@ -208,16 +210,28 @@ def _in_process_job(tmp_path: Path, *, steps: int, seq: int, global_batch: int, 
             "exp_manager.checkpoint_callback_params.every_n_train_steps=100", "+exp_manager.preemption_signals=[]"]
 
 
+#: model -> (config, overrides) of the per-step inventory test
+PROBED = {"llama": ("cpu_tiny_llama_config", ["++model.num_layers=2"]),
+          "mixtral-dropless": ("cpu_tiny_mixtral_config", ["model.moe.dropless=true",
+                                                           "distributed_strategy.expert_model_parallel_size=1"])}
+
+
 @pytest.mark.slow
-def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: Path) -> None:
-    """The demo's model on one stand-in device, 5 steps of 2 micro-batches of packed documents, logging every 4th
-    step: from step 2 on every step runs the same distinct (op, dtype, shape) set (on TorchNeuron each new one is a
-    compile; the per-document attention split made new shapes every step before), and an ordinary step copies only
-    its batch to the device (4 tensors x 2 micro-batches) and reads nothing back (the non-finite check read its
-    norm every step before); the logging steps read their metrics."""
-    args = _in_process_job(tmp_path, steps=5, seq=64, global_batch=2, layers=2, vocab=1024, log_every=4)
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "probe_job.py"), *args], cwd=REPO,
-                         env=_env(), capture_output=True, text=True, timeout=900, check=False)
+@pytest.mark.parametrize("model", sorted(PROBED))
+def test_every_ordinary_step_runs_the_same_ops_and_reads_nothing_back(tmp_path: Path, model: str) -> None:
+    """The demo's model (and the tiny Mixtral, dropless) on one stand-in device, 5 steps of 2 micro-batches of
+    packed documents, logging every 4th step: from step 2 on every step runs the same distinct (op, dtype, shape)
+    set (on TorchNeuron each new one is a compile; the per-document attention split made new shapes every step
+    before, and so did the dropless dispatch, whose capacity was the largest expert load read back: 8 reads per
+    step), and an ordinary step copies only its batch to the device (4 tensors x 2 micro-batches; the router's token
+    count was uploaded per MoE layer and micro-batch) and reads nothing back (the non-finite check read its norm
+    every step before); the logging steps read their metrics."""
+    config, extra = PROBED[model]
+    args = [a for a in _in_process_job(tmp_path, steps=5, seq=64, global_batch=2, layers=2, vocab=1024, log_every=4)
+            if not a.startswith("++model.num_layers")] + extra
+    out = subprocess.run([sys.executable, str(REPO / "tests" / "neuron_standin" / "probe_job.py"), "--config-path",
+                          str(REPO / "conf"), "--config-name", config, *args], cwd=REPO, env=_env(),
+                         capture_output=True, text=True, timeout=900, check=False)
     steps = _result(out)["steps"]
     assert sorted(steps, key=int) == ["1", "2", "3", "4", "5"], steps.keys()
     inventories = [set(steps[s]["ops"]) for s in ("2", "3", "4", "5")]

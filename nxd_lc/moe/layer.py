@@ -51,7 +51,7 @@ from nxd_lc.distributed.mappings import (
 )
 from nxd_lc.layers.linear import InitMethod, init_parameter, mark_parameter, split_tensor_for_rank
 from nxd_lc.moe.routing import RouterStats, expert_capacity, route_top_k
-from nxd_lc.runtime.accel import HOST
+from nxd_lc.runtime.accel import HOST, compiles_per_shape
 
 __all__ = ["ExpertMLPs", "MoE", "mark_expert_parameter"]
 
@@ -181,10 +181,12 @@ class MoE(nn.Module):
         (dropless) every token: an expert takes a token at most once, so ``T`` slots drop nothing, with static
         shapes and no host read (the largest load is data: a host read in every MoE layer, and a new graph, i.e.
         a compile, for every new value; under pipeline parallelism the reads also broke the stages' ordered graph
-        cuts). NxD's dropless training likewise runs every expert over every token."""
+        cuts). NxD's dropless training likewise runs every expert over every token. The same on TorchNeuron's native
+        device (:func:`~nxd_lc.runtime.accel.compiles_per_shape`: the read waits for the device, and every new
+        capacity is a new shape, i.e. a compile, for the dispatch ops)."""
         if self.capacity_factor is not None:
             return expert_capacity(tokens, self.num_experts, self.top_k, self.capacity_factor)
-        if load.device.type == "xla":
+        if load.device.type == "xla" or compiles_per_shape(load.device):
             return tokens
         peak = load.max().reshape(1).to(torch.int64)
         group = parallel_state.get_expert_model_parallel_group()

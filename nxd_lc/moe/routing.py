@@ -78,7 +78,9 @@ class RouterStats(NamedTuple):
         counts = torch.zeros(num_experts, dtype=torch.float32, device=routing.logits.device)
         counts = counts.scatter_add(0, routing.expert_index.reshape(-1),
                                     torch.ones(routing.expert_index.numel(), device=counts.device))
-        tokens = torch.tensor(float(routing.logits.shape[0]), device=counts.device)
+        # made on the device (a factory op), not uploaded: torch.tensor(..., device=) was a host-to-device copy per
+        # MoE layer and micro-batch (on the native neuron device's stand-in: 8 of an ordinary step's 16)
+        tokens = torch.full((), float(routing.logits.shape[0]), dtype=torch.float32, device=counts.device)
         return cls(counts.detach(), routing.affinities.sum(dim=0), tokens)
 
 
