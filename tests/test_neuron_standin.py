@@ -163,10 +163,11 @@ LAYOUTS = {
 }
 
 
-#: run by ``make test-extended`` only (CI time; lane 1 keeps one case of each kind: a bf16 mode runs in the shrunk
-#: NxDT 70B_CP file below, DP and Ulysses CP run on the XLA test bed and on gloo)
-EXTENDED = frozenset({"dp2-zero1", "cp2-ulysses", "bf16-mixed", "autocast", "sft", "dpo", "orpo",
-                      "hf_llama3_8B_trn2_config"})
+#: run by ``make test-extended`` only (CI time; lane 1 keeps one case of each kind: a bf16 mode, PP 2 (1F1B) and
+#: ring CP 2 run in the shrunk NxDT 70B_CP file below (PP 2 x ring CP 2 on 4 devices), ring CP 2 also in the
+#: two-device copy test; DP and Ulysses CP run on the XLA test bed and on gloo)
+EXTENDED = frozenset({"dp2-zero1", "cp2-ulysses", "cp2-ring", "pp2-1f1b", "bf16-mixed", "autocast", "sft", "dpo",
+                      "orpo", "hf_llama3_8B_trn2_config"})
 
 
 def _cases(names: object) -> list[object]:
