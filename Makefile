@@ -64,7 +64,9 @@ test:
 	    wait $$bg; bg=""; cat .install-xla.log; \
 	    if [ "$$(cat .install-xla.rc)" != 0 ]; then echo "make install-xla failed"; exit 1; fi; \
 	  fi; \
+	  echo "== make $$lane: started $$(date -u +%T) UTC"; t0=$$(date +%s); \
 	  $(MAKE) --no-print-directory $$lane || { [ -z "$$bg" ] || kill $$bg 2>/dev/null; exit 1; }; \
+	  echo "== make $$lane: passed in $$(( $$(date +%s) - t0 )) s"; \
 	done
 
 # pytest-xdist: two workers (this project's CI machines have 2 cores; multi-process tests oversubscribe, which gloo
