@@ -157,6 +157,10 @@ LAYOUTS = {
     "ep2-mixtral": (2, "cpu_tiny_mixtral_config", ["model.moe.dropless=true"], 1e-5, ()),
     "bf16-mixed": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=mixed_precision"], 2 ** -7, ()),
     "autocast": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=autocast"], 2 ** -7, ()),
+    # the stochastic-rounding modes: software rounding with the device generator (no Neuron hardware rounding)
+    "bf16sr": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=bf16SR"], 2 ** -7, ()),
+    "mixed-sr": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=mixed_precisionSR"], 2 ** -7, ()),
+    "manual": (1, "cpu_tiny_llama_config", [*TP1, "precision.type=manual"], 2 ** -7, ()),
     # model.compile true: the decoder layers compiled with the 'neuron' backend; the CPU run stays eager (inductor
     # on 2 cores compiles for minutes), which the compiled graphs (aot_eager) must equal
     "compile": (1, "cpu_tiny_llama_config", [*TP1, "++model.compile=true"], 1e-5, ("++model.compile=false",)),
@@ -166,8 +170,8 @@ LAYOUTS = {
 #: run by ``make test-extended`` only (CI time; lane 1 keeps one case of each kind: a bf16 mode, PP 2 (1F1B) and
 #: ring CP 2 run in the shrunk NxDT 70B_CP file below (PP 2 x ring CP 2 on 4 devices), ring CP 2 also in the
 #: two-device copy test; DP and Ulysses CP run on the XLA test bed and on gloo)
-EXTENDED = frozenset({"dp2-zero1", "cp2-ulysses", "cp2-ring", "pp2-1f1b", "bf16-mixed", "autocast", "sft", "dpo",
-                      "orpo", "hf_llama3_8B_trn2_config"})
+EXTENDED = frozenset({"dp2-zero1", "cp2-ulysses", "cp2-ring", "pp2-1f1b", "bf16-mixed", "autocast", "bf16sr",
+                      "mixed-sr", "manual", "sft", "dpo", "orpo", "hf_llama3_8B_trn2_config"})
 
 
 def _cases(names: object) -> list[object]:
