@@ -390,8 +390,8 @@ def test_resume_on_the_standin_equals_the_uninterrupted_run_and_exports(tmp_path
 
 
 #: NxDT's own example files shrunk (tests/test_nxdt_examples.py's overrides) that run on the stand-in: TP 2 with
-#: Trn2's settings, and PP 2 x ring CP 2 on 4 devices
-NXDT_FILES = ("hf_llama3_8B_trn2_config", "hf_llama3_70B_CP_config")
+#: Trn2's settings, PP 2 x ring CP 2 on 4 devices, and Mixtral 8x7B's MoE at TP 2 + SP x PP 2 on 4 devices
+NXDT_FILES = ("hf_llama3_8B_trn2_config", "hf_llama3_70B_CP_config", "hf_mixtral_8x7b_config")
 
 
 @pytest.mark.slow
@@ -404,13 +404,14 @@ def test_nxdt_example_shrunk_on_the_standin_equals_the_cpu_run(name: str, tmp_pa
     import yaml
 
     from tests.test_e2e import _small_corpus
-    from tests.test_nxdt_examples import EXAMPLES, _tiny_model_json, shrink_overrides
+    from tests.test_nxdt_examples import EXAMPLES, _tiny_mixtral_json, _tiny_model_json, shrink_overrides
 
     path = EXAMPLES / f"{name}.yaml"
     if not path.is_file():
         pytest.skip(f"{path} is not present")
     files = {"corpus": Path(_small_corpus(str(tmp_path))), "cache": tmp_path / "cache",
-             "pretrain_json": _tiny_model_json(tmp_path / "pretrain_config.json", 512)}
+             "pretrain_json": _tiny_model_json(tmp_path / "pretrain_config.json", 512),
+             "moe_json": _tiny_mixtral_json(tmp_path / "mixtral_config.json", 512)}
     tree = yaml.safe_load(path.read_text())
     rel = 1e-5 if (tree.get("precision") or {}).get("type", "fp32") == "fp32" else 2 ** -7  # the bf16 modes
     runs = {}
