@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from nxd_lc.distributed import collectives
 
@@ -64,6 +64,16 @@ def _wave_barrier(wave: int) -> None:
         xm.rendezvous(f"nxd_lc_startup_wave_{wave}")
         return
     collectives.barrier()
+
+
+def _wait_for_count(store: Any, key: str, count: int, timeout_s: float = 60.0) -> None:
+    """Wait (polling, at most ``timeout_s``) until the store counter ``key`` (``store.add``) reaches ``count``; on
+    timeout return anyway (the caller's error matters more than a peer that did not arrive)."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while store.add(key, 0) < count and time.monotonic() < deadline:
+        time.sleep(0.01)
 
 
 #: store keys of :func:`check_same_config`: ``<prefix>/<restart>/{hash,text}/<rank>``
@@ -117,6 +127,12 @@ def check_same_config(text: str, differences: Callable[[str, str], list[str]]) -
         node = store.get(f"{prefix}/node/{first}").decode()
         shas = (f"config sha256: rank 0 {store.get(f'{prefix}/hash/0').decode()[:12]}, rank {first} "
                 f"{store.get(f'{prefix}/hash/{first}').decode()[:12]}")
+        # every rank is about to raise and exit; rank 0 leaves last, for the store may live in its process (env://
+        # without torchrun's agent store): a rank still reading would otherwise fail on the closed store, with a
+        # network error instead of this message (seen in a 3-rank test)
+        store.add(f"{prefix}/read", 1)
+        if rank == 0:
+            _wait_for_count(store, f"{prefix}/read", world)
     else:
         top = collectives.world_max([high, low, -high, -low], tag="nxd_lc_config_vote")
         if top[0] == -top[2] and top[1] == -top[3]:
